@@ -1,0 +1,53 @@
+/* opt: the OPT decoder (OPTForCausalLM) forward pass over a paged KV cache,
+ * written once against the backend ops table (model/backend.h) so the CPU and
+ * CUDA backends run the same top-to-bottom code.
+ *
+ * One call runs a batch of sequences, each contributing any number of new
+ * tokens (a prefill chunk, or one decode token) at its own start position. The
+ * new tokens' K and V are written into the paged cache through each
+ * sequence's block table, and attention reads only from the cache. */
+#ifndef PD_MODEL_OPT_H
+#define PD_MODEL_OPT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "model/backend.h"
+#include "model/config.h"
+
+typedef struct opt_model opt_model;
+
+/* Load config.json + weights from a model directory onto a backend
+ * (weights converted to the backend's compute dtype). */
+int opt_model_load(const char *model_dir, pd_backend *be, opt_model **out, pd_err *err);
+void opt_model_free(opt_model *m);
+const opt_config *opt_model_config(const opt_model *m);
+/* Bytes the weights occupy on the backend. */
+size_t opt_model_weight_bytes(const opt_model *m);
+
+/* Paged KV storage: for every layer, K and V arrays of
+ * [num_blocks, block_size, num_heads, head_dim] in backend memory. */
+typedef struct opt_kv_storage opt_kv_storage;
+size_t opt_kv_block_bytes(const opt_model *m, int block_size); /* K+V, all layers, one block */
+int opt_kv_storage_create(opt_model *m, int num_blocks, int block_size, opt_kv_storage **out,
+                          pd_err *err);
+void opt_kv_storage_free(opt_kv_storage *kv);
+int opt_kv_num_blocks(const opt_kv_storage *kv);
+int opt_kv_block_size(const opt_kv_storage *kv);
+
+/* One sequence's part of a forward step. */
+typedef struct opt_seq_step {
+    const int32_t *tokens; /* the new tokens */
+    int n_tokens;
+    int start_pos;            /* position of tokens[0] == tokens already in the cache */
+    const int32_t *block_table; /* physical block ids covering start_pos + n_tokens */
+    int n_blocks;
+    bool want_logits; /* return logits for the last new token */
+} opt_seq_step;
+
+/* Run one step. logits receives one row of vocab_size floats per sequence
+ * with want_logits, in order (host memory, fp32). */
+int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                float *logits, pd_err *err);
+
+#endif
