@@ -30,6 +30,7 @@ typedef struct ckpt_tensor {
     int64_t shape[CKPT_MAX_DIMS];
     const void *data; /* little-endian, C order, contiguous */
     size_t nbytes;
+    void *owned; /* non-NULL when data had to be copied (non-contiguous torch tensor); freed on close */
 } ckpt_tensor;
 
 typedef struct checkpoint checkpoint;
