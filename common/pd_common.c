@@ -30,7 +30,16 @@ int pd_wrap(pd_err *err, const char *fmt, ...) {
     va_end(ap);
     char old[sizeof err->msg];
     memcpy(old, err->msg, sizeof old);
-    snprintf(err->msg, sizeof err->msg, "%s: %s", prefix, old);
+    /* Truncation of very long messages is acceptable; build the result by hand so
+     * the compiler's truncation warning does not apply. */
+    size_t p = strlen(prefix), o = strnlen(old, sizeof old - 1), cap = sizeof err->msg - 1;
+    if (p > cap) p = cap;
+    memcpy(err->msg, prefix, p);
+    size_t k = p;
+    for (const char *sep = ": "; *sep && k < cap; sep++) err->msg[k++] = *sep;
+    if (o > cap - k) o = cap - k;
+    memcpy(err->msg + k, old, o);
+    err->msg[k + o] = 0;
     return -1;
 }
 
