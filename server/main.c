@@ -1,8 +1,40 @@
-/* pdserve command line (being built: see README). */
+/* pdserve: the command-line entry point. Dispatches to a subcommand. */
 #include <stdio.h>
+#include <string.h>
+
+#include "server/commands.h"
+
+static void usage(FILE *out) {
+    fprintf(out,
+            "pdserve: a small OPT inference server\n\n"
+            "usage: pdserve COMMAND [MODEL] [options]\n\n"
+            "commands:\n"
+            "  make-model DIR --preset P   write a random-weight OPT model (tiny, tiny-postln,\n"
+            "                              opt-125m, opt-350m, opt-1.3b) in Hugging Face layout\n"
+            "  generate [MODEL] --prompt T offline generation; completion on stdout, timings on stderr\n"
+            "  tokenize [MODEL]            text on stdin -> token ids (JSON array) on stdout\n"
+            "  detokenize [MODEL]          token ids (JSON array) on stdin -> text on stdout\n"
+            "  bench-cpu [MODEL]           memory bandwidth, FLOP rate, prefill and decode speed\n\n"
+            "MODEL is a Hugging Face model directory or a hub name (org/name) found in the\n"
+            "local Hugging Face cache; without it the built-in default model is used.\n"
+            "`pdserve COMMAND --help` lists a command's options.\n");
+}
 
 int main(int argc, char **argv) {
-    (void)argv;
-    if (argc < 2) fprintf(stderr, "usage: pdserve COMMAND ...\n");
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "--help") || !strcmp(cmd, "-h") || !strcmp(cmd, "help")) {
+        usage(stdout);
+        return 0;
+    }
+    if (!strcmp(cmd, "make-model")) return cmd_make_model(argc - 2, argv + 2);
+    if (!strcmp(cmd, "generate")) return cmd_generate(argc - 2, argv + 2);
+    if (!strcmp(cmd, "tokenize")) return cmd_tokenize(argc - 2, argv + 2);
+    if (!strcmp(cmd, "detokenize")) return cmd_detokenize(argc - 2, argv + 2);
+    if (!strcmp(cmd, "bench-cpu")) return cmd_bench_cpu(argc - 2, argv + 2);
+    fprintf(stderr, "pdserve: unknown command '%s' (try pdserve --help)\n", cmd);
     return 2;
 }

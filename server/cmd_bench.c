@@ -1,0 +1,187 @@
+/* cmd_bench: `pdserve bench-cpu` — measures this machine's memory read
+ * bandwidth and vector FLOP rate, then the CPU backend's prefill and batch-1
+ * decode speed on a model, and reports each as a fraction of the limit.
+ * Decode of one token must read every weight once, so its floor is
+ * weight_bytes / bandwidth; prefill is compute bound, so its ceiling is
+ * FLOP rate / (2 * params) tokens per second. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/opt.h"
+#include "server/cli.h"
+#include "server/commands.h"
+
+typedef struct bench_opts {
+    int prompt_len, decode_tokens, threads, help;
+} bench_opts;
+
+static const cli_option bench_table[] = {
+    {"prompt-len", CLI_INT, offsetof(bench_opts, prompt_len), "512", 1, 1 << 20, "prefill length (tokens)"},
+    {"decode-tokens", CLI_INT, offsetof(bench_opts, decode_tokens), "64", 1, 1 << 20, "batch-1 decode steps"},
+    {"threads", CLI_INT, offsetof(bench_opts, threads), "0", 0, 1024, "CPU threads (0: one per core)"},
+    {"help", CLI_BOOL, offsetof(bench_opts, help), "false", 1, 0, "show this help"},
+};
+
+typedef struct bw_job {
+    const float *data;
+    size_t n;
+    double sum;
+    int flops_mode;
+    long iters;
+} bw_job;
+
+typedef float v8f __attribute__((vector_size(32)));
+
+static void *bw_worker(void *arg) {
+    bw_job *j = arg;
+    if (j->flops_mode) {
+        /* 8 independent multiply-add chains of 8 lanes: enough to fill the FP pipes. */
+        v8f a[8], m = {1.0000001f, 1.0000001f, 1.0000001f, 1.0000001f, 1.0000001f, 1.0000001f, 1.0000001f, 1.0000001f};
+        v8f c = {1e-7f, 1e-7f, 1e-7f, 1e-7f, 1e-7f, 1e-7f, 1e-7f, 1e-7f};
+        for (int k = 0; k < 8; k++) a[k] = c * (float)(k + 1);
+        for (long i = 0; i < j->iters; i++)
+            for (int k = 0; k < 8; k++) a[k] = a[k] * m + c;
+        double s = 0;
+        for (int k = 0; k < 8; k++)
+            for (int l = 0; l < 8; l++) s += a[k][l];
+        j->sum = s;
+        return NULL;
+    }
+    v8f acc[4] = {{0}, {0}, {0}, {0}};
+    const v8f *p = (const v8f *)j->data;
+    size_t n = j->n / 8;
+    for (size_t i = 0; i + 4 <= n; i += 4) {
+        acc[0] += p[i];
+        acc[1] += p[i + 1];
+        acc[2] += p[i + 2];
+        acc[3] += p[i + 3];
+    }
+    double s = 0;
+    for (int k = 0; k < 4; k++)
+        for (int l = 0; l < 8; l++) s += acc[k][l];
+    j->sum = s;
+    return NULL;
+}
+
+/* Run n_threads workers over the job template; returns seconds. */
+static double run_workers(int n_threads, bw_job *jobs) {
+    pthread_t th[256];
+    double t0 = pd_now();
+    for (int t = 0; t < n_threads; t++) pthread_create(&th[t], NULL, bw_worker, &jobs[t]);
+    for (int t = 0; t < n_threads; t++) pthread_join(th[t], NULL);
+    return pd_now() - t0;
+}
+
+static double measure_bandwidth(int n_threads) {
+    size_t bytes = (size_t)1 << 30, n = bytes / sizeof(float);
+    float *buf = aligned_alloc(64, bytes);
+    if (!buf) return 0;
+    for (size_t i = 0; i < n; i++) buf[i] = (float)(i & 1023);
+    bw_job jobs[256];
+    size_t per = (n / (size_t)n_threads) & ~(size_t)31;
+    double best = 1e30;
+    for (int rep = 0; rep < 5; rep++) {
+        for (int t = 0; t < n_threads; t++) jobs[t] = (bw_job){buf + per * (size_t)t, per, 0, 0, 0};
+        double s = run_workers(n_threads, jobs);
+        if (s < best) best = s;
+    }
+    free(buf);
+    return (double)per * (size_t)n_threads * sizeof(float) / best;
+}
+
+static double measure_flops(int n_threads) {
+    bw_job jobs[256];
+    long iters = 20 * 1000 * 1000;
+    double best = 1e30;
+    for (int rep = 0; rep < 3; rep++) {
+        for (int t = 0; t < n_threads; t++) jobs[t] = (bw_job){NULL, 0, 0, 1, iters};
+        double s = run_workers(n_threads, jobs);
+        if (s < best) best = s;
+    }
+    return (double)n_threads * (double)iters * 8 * 8 * 2 / best;
+}
+
+int cmd_bench_cpu(int argc, char **argv) {
+    bench_opts o;
+    char *pos[1];
+    int n_pos;
+    pd_err err = {{0}};
+    int n_table = (int)(sizeof bench_table / sizeof bench_table[0]);
+    if (cli_parse(bench_table, n_table, &o, argc, argv, pos, 1, &n_pos, NULL, &err) != 0) {
+        fprintf(stderr, "pdserve bench-cpu: %s\n", err.msg);
+        return 2;
+    }
+    if (o.help) {
+        cli_print_help("pdserve bench-cpu [MODEL] [options]", bench_table, n_table);
+        return 0;
+    }
+    int n_threads = o.threads > 0 ? o.threads : pd_num_cpus();
+    if (n_threads > 256) n_threads = 256;
+    double bw = measure_bandwidth(n_threads);
+    double peak = measure_flops(n_threads);
+    printf("machine: %d threads, memory read bandwidth %.2f GB/s, vector FLOP rate %.1f GFLOP/s\n", n_threads,
+           bw / 1e9, peak / 1e9);
+
+    char *dir = NULL;
+    pd_backend *be = NULL;
+    opt_model *m = NULL;
+    opt_kv_storage *kv = NULL;
+    int rc = 1;
+    int total = o.prompt_len + o.decode_tokens, bs = 16, n_blocks = (total + bs - 1) / bs;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)total), *table = malloc(sizeof(int32_t) * (size_t)n_blocks);
+    float *logits = NULL;
+    if (!ids || !table) goto out;
+    if (resolve_model_arg(n_pos ? pos[0] : NULL, &dir, &err) != 0) goto fail;
+    if (pd_backend_create("cpu", n_threads, &be, &err) != 0) goto fail;
+    if (opt_model_load(dir, be, &m, &err) != 0) goto fail;
+    const opt_config *c = opt_model_config(m);
+    if (total > c->max_position_embeddings) {
+        pd_fail(&err, "--prompt-len + --decode-tokens (%d) exceeds the model's %d positions", total,
+                c->max_position_embeddings);
+        goto fail;
+    }
+    if (opt_kv_storage_create(m, n_blocks, bs, &kv, &err) != 0) goto fail;
+    logits = malloc(sizeof(float) * (size_t)c->vocab_size);
+    if (!logits) goto out;
+    for (int i = 0; i < total; i++) ids[i] = (int32_t)((i * 7919u + 13u) % (unsigned)c->vocab_size);
+    for (int i = 0; i < n_blocks; i++) table[i] = i;
+    double wbytes = (double)opt_model_weight_bytes(m);
+    /* Parameters touched per token: everything but the embedding tables, plus the LM head. */
+    double params = wbytes / sizeof(float) -
+                    (double)(c->max_position_embeddings + 2) * c->hidden_size;
+    double t0 = pd_now();
+    opt_seq_step st = {ids, o.prompt_len, 0, table, n_blocks, true};
+    if (opt_forward(m, kv, &st, 1, logits, &err) != 0) goto fail;
+    double t_prefill = pd_now() - t0;
+    t0 = pd_now();
+    for (int s = 0; s < o.decode_tokens; s++) {
+        opt_seq_step d = {ids + o.prompt_len + s, 1, o.prompt_len + s, table, n_blocks, true};
+        if (opt_forward(m, kv, &d, 1, logits, &err) != 0) goto fail;
+    }
+    double t_decode = (pd_now() - t0) / o.decode_tokens;
+    double prefill_tps = o.prompt_len / t_prefill;
+    double attn_flops = 2.0 * 2 * c->num_hidden_layers * c->hidden_size * (o.prompt_len / 2.0);
+    double prefill_flops = prefill_tps * (2 * params + attn_flops);
+    printf("model: %s (%d layers, hidden %d), %.1f MB of fp32 weights\n", dir, c->num_hidden_layers, c->hidden_size,
+           wbytes / 1e6);
+    printf("prefill: %d tokens in %.3f s = %.1f tok/s, %.1f GFLOP/s = %.0f%% of the measured FLOP rate\n",
+           o.prompt_len, t_prefill, prefill_tps, prefill_flops / 1e9, 100 * prefill_flops / peak);
+    printf("decode (batch 1): %.2f ms/token = %.1f tok/s, weights read at %.2f GB/s = %.0f%% of the measured "
+           "bandwidth (floor %.2f ms/token)\n",
+           t_decode * 1e3, 1 / t_decode, wbytes / t_decode / 1e9, 100 * wbytes / t_decode / bw, wbytes / bw * 1e3);
+    rc = 0;
+    goto out;
+fail:
+    fprintf(stderr, "pdserve bench-cpu: %s\n", err.msg);
+out:
+    free(logits);
+    free(ids);
+    free(table);
+    opt_kv_storage_free(kv);
+    opt_model_free(m);
+    pd_backend_destroy(be);
+    free(dir);
+    return rc;
+}

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# test_cli: the pdserve command line end to end — make-model, tokenize /
+# detokenize round trip, generate (greedy is deterministic; seeded sampling is
+# reproducible), and one-line errors with exit status 2 for bad flags/values.
+set -u
+bin=${PDSERVE_BIN:?}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+pass=0 fail=0
+ok() { pass=$((pass + 1)); }
+bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
+expect_rc() { # expected-rc description command...
+  local want=$1 what=$2; shift 2
+  "$@" >"$tmp/out" 2>"$tmp/err"; local rc=$?
+  if [ "$rc" -eq "$want" ]; then ok; else bad "$what: exit $rc, wanted $want ($(head -c 300 "$tmp/err"))"; fi
+}
+
+expect_rc 0 "make-model tiny" "$bin" make-model "$tmp/m" --preset tiny --seed 3
+[ -f "$tmp/m/config.json" ] && [ -f "$tmp/m/model.safetensors" ] && [ -f "$tmp/m/vocab.json" ] && ok || bad "model files"
+
+text=$'Hello world, caf\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac  spaces\tand tabs\n'
+printf '%s' "$text" | "$bin" tokenize "$tmp/m" >"$tmp/ids" 2>"$tmp/err" && ok || bad "tokenize: $(cat "$tmp/err")"
+grep -q '^\[50256, ' "$tmp/ids" && ok || bad "tokenize should prepend BOS 50256: $(cat "$tmp/ids")"
+"$bin" detokenize "$tmp/m" <"$tmp/ids" >"$tmp/back" 2>"$tmp/err" && ok || bad "detokenize: $(cat "$tmp/err")"
+[ "$(cat "$tmp/back"; echo x)" = "$(printf '%s' "$text"; echo x)" ] && ok || bad "round trip differs: $(cat "$tmp/back")"
+printf '%s' "$text" | "$bin" tokenize "$tmp/m" --no-special >"$tmp/ids2" && ! grep -q '50256' "$tmp/ids2" && ok || bad "--no-special"
+
+expect_rc 0 "generate greedy" "$bin" generate "$tmp/m" --prompt "The quick brown fox" --max-tokens 12 --ignore-eos
+cp "$tmp/out" "$tmp/g1"
+grep -q 'decode' "$tmp/err" || grep -q 'output:' "$tmp/err" && ok || bad "generate prints timings to stderr"
+"$bin" generate "$tmp/m" --prompt "The quick brown fox" --max-tokens 12 --ignore-eos >"$tmp/g2" 2>/dev/null
+cmp -s "$tmp/g1" "$tmp/g2" && ok || bad "greedy generate is not deterministic"
+"$bin" generate "$tmp/m" --prompt "Once" --max-tokens 12 --temperature 1 --seed 7 --ignore-eos >"$tmp/s1" 2>/dev/null
+"$bin" generate "$tmp/m" --prompt "Once" --max-tokens 12 --temperature 1 --seed 7 --ignore-eos --threads 1 >"$tmp/s2" 2>/dev/null
+cmp -s "$tmp/s1" "$tmp/s2" && ok || bad "seeded sampling is not reproducible"
+
+# Bad input: exit 2 (usage) or 1 (runtime) with a one-line message naming the problem.
+expect_rc 2 "unknown flag" "$bin" generate "$tmp/m" --prompt x --bogus 1
+grep -q -- '--bogus' "$tmp/err" && ok || bad "unknown flag message: $(cat "$tmp/err")"
+expect_rc 2 "bad number" "$bin" generate "$tmp/m" --prompt x --max-tokens abc
+grep -q -- 'max-tokens' "$tmp/err" && ok || bad "bad value message: $(cat "$tmp/err")"
+expect_rc 2 "out of range" "$bin" generate "$tmp/m" --prompt x --top-p 1.5
+expect_rc 2 "missing prompt" "$bin" generate "$tmp/m"
+expect_rc 1 "missing model" "$bin" generate "$tmp/nope" --prompt x
+[ "$(wc -l <"$tmp/err")" -le 2 ] && ok || bad "error should be short: $(cat "$tmp/err")"
+expect_rc 1 "too long" "$bin" generate "$tmp/m" --prompt x --max-tokens 100000
+expect_rc 2 "bad preset value" "$bin" make-model "$tmp/m2" --dtype float8
+expect_rc 1 "unknown preset" "$bin" make-model "$tmp/m3" --preset gigantic
+grep -q gigantic "$tmp/err" && ok || bad "preset error names the preset: $(cat "$tmp/err")"
+echo '[1, "x"]' | "$bin" detokenize "$tmp/m" >/dev/null 2>"$tmp/err"; [ $? -eq 1 ] && ok || bad "detokenize bad ids"
+expect_rc 2 "unknown command" "$bin" frobnicate
+
+# Default model: created on first use under $PDSERVE_HOME.
+PDSERVE_HOME="$tmp/home" "$bin" generate --prompt "hi" --max-tokens 4 >"$tmp/d" 2>"$tmp/err" && ok || bad "default model: $(cat "$tmp/err")"
+ls "$tmp"/home/models/default-*/config.json >/dev/null 2>&1 && ok || bad "default model directory"
+
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]
