@@ -1,0 +1,516 @@
+/* engine: the inference loop of one instance. See engine.h for the contract.
+ *
+ * Threads: the engine thread runs engine_loop(); HTTP threads call
+ * engine_submit() and the engine_seq_* consumer functions. Shared state:
+ *   e->mu guards the inbox (new requests), the stop flag and the stats copy;
+ *   each seq's mu guards its published output (tokens, finish, times).
+ * Everything else (queues, blocks, samplers) belongs to the engine thread. */
+#include "server/engine.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvcache/kvcache.h"
+#include "model/opt.h"
+#include "server/engine_seq.h"
+#include "server/scheduler.h"
+
+void engine_config_default(engine_config *c) {
+    memset(c, 0, sizeof *c);
+    c->block_size = 16;
+    c->max_num_seqs = 256;
+    c->max_num_batched_tokens = 2048;
+    c->kv_cache_bytes = 4e9; /* like vLLM's VLLM_CPU_KVCACHE_SPACE default of 4 GiB */
+    c->enable_prefix_caching = true;
+    c->max_waiting = 4096;
+}
+
+void engine_request_params_default(engine_request_params *p) {
+    memset(p, 0, sizeof *p);
+    sampling_params_default(&p->sampling);
+    p->max_tokens = 16;
+    p->logprobs = -1;
+}
+
+const char *finish_reason_name(finish_reason r) {
+    static const char *names[] = {NULL, "stop", "length", "abort", "error"};
+    return (r >= FINISH_STOP && r <= FINISH_ERROR) ? names[r] : NULL;
+}
+
+struct engine {
+    engine_config cfg;
+    char *model_dir;
+    pd_backend *be;
+    opt_model *model;
+    opt_kv_storage *kv;
+    tokenizer *tok;
+    kv_block_pool *pool;
+    scheduler *sched;
+    int max_model_len;
+    int vocab;
+    int eos_id;
+
+    pthread_t thread;
+    bool thread_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stopping;
+    engine_seq *inbox_head, *inbox_tail; /* linked through seq->next */
+    int n_inbox;
+    engine_stats stats; /* copy published after each step, under mu */
+    engine_stats work;  /* the engine thread's own counters */
+    uint64_t request_counter;
+
+    /* Step buffers, owned by the engine thread. */
+    float *logits;
+    float *raw_row;
+    int logits_rows;
+};
+
+/* ---- engine_seq: shared between the engine thread and one consumer ---- */
+
+static void seq_free(engine_seq *s) {
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    sampler_free(s->smp);
+    kv_table_free(&s->blocks);
+    free(s->tokens);
+    free(s->out);
+    free(s->top_ids);
+    free(s->top_lps);
+    free(s->stop_ids);
+    free(s);
+}
+
+void engine_seq_unref(engine_seq *s) {
+    if (atomic_fetch_sub(&s->refs, 1) == 1) seq_free(s);
+}
+
+void engine_seq_release(engine_seq *s) {
+    if (!s) return;
+    engine_seq_abort(s); /* a consumer that lets go no longer wants tokens */
+    engine_seq_unref(s);
+}
+
+void engine_seq_abort(engine_seq *s) {
+    atomic_store(&s->abort_requested, 1);
+    engine *e = s->engine;
+    pthread_mutex_lock(&e->mu);
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+int engine_seq_wait(engine_seq *s, int known, int timeout_ms) {
+    pthread_mutex_lock(&s->mu);
+    if (s->n_pub <= known && s->finish == FINISH_NONE && timeout_ms > 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_sec += timeout_ms / 1000;
+        ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        while (s->n_pub <= known && s->finish == FINISH_NONE)
+            if (pthread_cond_timedwait(&s->cv, &s->mu, &ts) != 0) break;
+    }
+    int n = s->n_pub;
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+int engine_seq_read(engine_seq *s, int from, int max, engine_token *buf, int32_t *top_ids, float *top_lps) {
+    pthread_mutex_lock(&s->mu);
+    int n = s->n_pub - from;
+    if (n > max) n = max;
+    if (n < 0) n = 0;
+    if (n > 0) {
+        memcpy(buf, s->out + from, sizeof *buf * (size_t)n);
+        int k = s->params.logprobs;
+        if (k > 0 && top_ids && top_lps) {
+            memcpy(top_ids, s->top_ids + (size_t)from * k, sizeof *top_ids * (size_t)n * k);
+            memcpy(top_lps, s->top_lps + (size_t)from * k, sizeof *top_lps * (size_t)n * k);
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+finish_reason engine_seq_finish(engine_seq *s) {
+    pthread_mutex_lock(&s->mu);
+    finish_reason r = s->finish;
+    pthread_mutex_unlock(&s->mu);
+    return r;
+}
+
+const char *engine_seq_error(engine_seq *s) { return s->error; }
+
+void engine_seq_times_get(engine_seq *s, engine_seq_times *t) {
+    pthread_mutex_lock(&s->mu);
+    *t = s->times;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Publish one generated token (engine thread). */
+static void seq_publish(engine_seq *s, int32_t id, float logprob, const int32_t *top_ids, const float *top_lps) {
+    pthread_mutex_lock(&s->mu);
+    int i = s->n_pub;
+    s->out[i].id = id;
+    s->out[i].logprob = logprob;
+    int k = s->params.logprobs;
+    if (k > 0) {
+        memcpy(s->top_ids + (size_t)i * k, top_ids, sizeof *top_ids * (size_t)k);
+        memcpy(s->top_lps + (size_t)i * k, top_lps, sizeof *top_lps * (size_t)k);
+    }
+    s->n_pub = i + 1;
+    if (i == 0) s->times.first_token = pd_now();
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Mark finished and wake the consumer (engine thread). */
+void engine_seq_mark_finished(engine_seq *s, finish_reason r, const char *error) {
+    pthread_mutex_lock(&s->mu);
+    if (s->finish == FINISH_NONE) {
+        s->finish = r;
+        if (error) snprintf(s->error, sizeof s->error, "%s", error);
+        s->times.finished = pd_now();
+    }
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- submission ---- */
+
+engine_status engine_submit(engine *e, const int32_t *prompt, int n_prompt, const engine_request_params *p,
+                            const char *request_id, engine_seq **out, pd_err *err) {
+    *out = NULL;
+    if (n_prompt < 1) return pd_fail(err, "the prompt is empty"), ENGINE_INVALID;
+    for (int i = 0; i < n_prompt; i++)
+        if (prompt[i] < 0 || prompt[i] >= e->vocab)
+            return pd_fail(err, "token id %d is out of vocabulary (vocab size %d)", prompt[i], e->vocab),
+                   ENGINE_INVALID;
+    if (p->max_tokens < 1) return pd_fail(err, "max_tokens must be at least 1, got %d", p->max_tokens), ENGINE_INVALID;
+    if (p->min_tokens < 0 || p->min_tokens > p->max_tokens)
+        return pd_fail(err, "min_tokens must be between 0 and max_tokens=%d, got %d", p->max_tokens, p->min_tokens),
+               ENGINE_INVALID;
+    if (p->logprobs > ENGINE_MAX_LOGPROBS)
+        return pd_fail(err, "logprobs must be at most %d, got %d", ENGINE_MAX_LOGPROBS, p->logprobs), ENGINE_INVALID;
+    if ((long)n_prompt + p->max_tokens > e->max_model_len)
+        return pd_fail(err,
+                       "This model's maximum context length is %d tokens. However, you requested %ld tokens "
+                       "(%d in the prompt, %d in the completion). Please reduce the length of the prompt or "
+                       "completion.",
+                       e->max_model_len, (long)n_prompt + p->max_tokens, n_prompt, p->max_tokens),
+               ENGINE_INVALID;
+    if (sampling_params_validate(&p->sampling, err) != 0) return ENGINE_INVALID;
+
+    engine_seq *s = calloc(1, sizeof *s);
+    int cap = n_prompt + p->max_tokens;
+    if (!s) return pd_fail(err, "out of memory"), ENGINE_INVALID;
+    s->tokens = malloc(sizeof(int32_t) * (size_t)cap);
+    s->out = malloc(sizeof(engine_token) * (size_t)p->max_tokens);
+    if (p->logprobs > 0) {
+        s->top_ids = malloc(sizeof(int32_t) * (size_t)p->max_tokens * p->logprobs);
+        s->top_lps = malloc(sizeof(float) * (size_t)p->max_tokens * p->logprobs);
+    }
+    if (p->n_stop_token_ids > 0) {
+        s->stop_ids = malloc(sizeof(int32_t) * (size_t)p->n_stop_token_ids);
+        if (s->stop_ids) memcpy(s->stop_ids, p->stop_token_ids, sizeof(int32_t) * (size_t)p->n_stop_token_ids);
+    }
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    kv_table_init(&s->blocks);
+    if (!s->tokens || !s->out || (p->logprobs > 0 && (!s->top_ids || !s->top_lps)) ||
+        (p->n_stop_token_ids > 0 && !s->stop_ids)) {
+        seq_free(s);
+        return pd_fail(err, "out of memory"), ENGINE_INVALID;
+    }
+    memcpy(s->tokens, prompt, sizeof(int32_t) * (size_t)n_prompt);
+    s->n_prompt = s->n_tokens = n_prompt;
+    s->params = *p;
+    s->params.stop_token_ids = s->stop_ids;
+    s->engine = e;
+    snprintf(s->id, sizeof s->id, "%s", request_id ? request_id : "");
+    s->times.arrival = pd_now();
+    s->times.n_prompt = n_prompt;
+    atomic_store(&s->refs, 2); /* the caller's handle + the engine's */
+
+    pthread_mutex_lock(&e->mu);
+    engine_status st = ENGINE_OK;
+    if (e->stopping) {
+        st = ENGINE_STOPPING;
+        pd_fail(err, "the server is shutting down");
+    } else if (e->n_inbox + e->stats.waiting >= e->cfg.max_waiting) {
+        st = ENGINE_BUSY;
+        pd_fail(err, "the server is busy: %d requests are waiting (--max-waiting)", e->n_inbox + e->stats.waiting);
+    } else {
+        uint64_t n = e->request_counter++;
+        if (!p->sampling.has_seed && p->fallback_seed == 0) s->params.fallback_seed = e->cfg.seed * 1000003u + n;
+        if (e->inbox_tail) e->inbox_tail->next = s;
+        else e->inbox_head = s;
+        e->inbox_tail = s;
+        e->n_inbox++;
+        pthread_cond_signal(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (st != ENGINE_OK) {
+        seq_free(s);
+        return st;
+    }
+    s->smp = NULL; /* created by the engine thread when admitted */
+    *out = s;
+    return ENGINE_OK;
+}
+
+/* ---- the engine thread ---- */
+
+/* Log-probabilities from raw logits: the chosen token's, and the top k. */
+static void compute_logprobs(const float *row, int vocab, int32_t chosen, int k, float *chosen_lp, int32_t *top_ids,
+                             float *top_lps) {
+    float mx = row[0];
+    for (int i = 1; i < vocab; i++)
+        if (row[i] > mx) mx = row[i];
+    double sum = 0;
+    for (int i = 0; i < vocab; i++) sum += exp((double)row[i] - mx);
+    float lse = mx + (float)log(sum);
+    *chosen_lp = row[chosen] - lse;
+    /* Top k by insertion into a small sorted list (k <= 20). */
+    int n = 0;
+    for (int i = 0; i < vocab && k > 0; i++) {
+        if (n == k && row[i] <= top_lps[k - 1]) continue;
+        int j = n < k ? n++ : k - 1;
+        while (j > 0 && top_lps[j - 1] < row[i]) {
+            top_lps[j] = top_lps[j - 1];
+            top_ids[j] = top_ids[j - 1];
+            j--;
+        }
+        top_lps[j] = row[i];
+        top_ids[j] = i;
+    }
+    for (int j = 0; j < n; j++) top_lps[j] -= lse;
+}
+
+static bool is_stop_id(const engine_seq *s, int32_t id) {
+    for (int i = 0; i < s->params.n_stop_token_ids; i++)
+        if (s->stop_ids[i] == id) return true;
+    return false;
+}
+
+/* Sample the next token of a sequence from its logits row and decide whether
+ * it finished. Returns the finish reason (FINISH_NONE to continue). */
+static finish_reason engine_sample(engine *e, engine_seq *s, float *row) {
+    const engine_request_params *p = &s->params;
+    int n_out = s->n_tokens - s->n_prompt;
+    if (n_out < p->min_tokens) {
+        /* Nothing may stop the request before min_tokens outputs. */
+        if (!p->ignore_eos && e->eos_id >= 0) row[e->eos_id] = -INFINITY;
+        for (int i = 0; i < p->n_stop_token_ids; i++)
+            if (s->stop_ids[i] >= 0 && s->stop_ids[i] < e->vocab) row[s->stop_ids[i]] = -INFINITY;
+    }
+    if (p->logprobs >= 0) memcpy(e->raw_row, row, sizeof(float) * (size_t)e->vocab);
+    int32_t id = sampler_sample(s->smp, row);
+    float lp = 0;
+    int32_t top_ids[ENGINE_MAX_LOGPROBS];
+    float top_lps[ENGINE_MAX_LOGPROBS];
+    if (p->logprobs >= 0) compute_logprobs(e->raw_row, e->vocab, id, p->logprobs, &lp, top_ids, top_lps);
+    s->tokens[s->n_tokens++] = id;
+    n_out++;
+    seq_publish(s, id, lp, top_ids, top_lps);
+    if (n_out >= p->min_tokens) {
+        if (!p->ignore_eos && id == e->eos_id) return FINISH_STOP;
+        if (is_stop_id(s, id)) return FINISH_STOP;
+    }
+    if (n_out >= p->max_tokens || s->n_tokens >= e->max_model_len) return FINISH_LENGTH;
+    return FINISH_NONE;
+}
+
+/* Take new requests from the inbox into the scheduler's waiting queue. */
+static void engine_admit_inbox(engine *e, engine_seq *list) {
+    while (list) {
+        engine_seq *next = list->next;
+        list->next = NULL;
+        list->smp = sampler_create(&list->params.sampling, e->vocab, list->params.fallback_seed);
+        if (!list->smp) {
+            engine_seq_mark_finished(list, FINISH_ERROR, "out of memory");
+            engine_seq_unref(list);
+        } else {
+            sampler_add_prompt(list->smp, list->tokens, list->n_prompt);
+            e->work.prompt_tokens += (uint64_t)list->n_prompt;
+            scheduler_add(e->sched, list);
+        }
+        list = next;
+    }
+}
+
+static void engine_publish_stats(engine *e) {
+    engine_stats st = e->work;
+    scheduler_counts(e->sched, &st.running, &st.waiting);
+    st.total_blocks = kv_pool_num_blocks(e->pool);
+    st.free_blocks = kv_pool_num_free(e->pool);
+    st.kv_usage = st.total_blocks ? 1.0 - (double)st.free_blocks / st.total_blocks : 0;
+    pthread_mutex_lock(&e->mu);
+    e->stats = st;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Run one scheduled step: forward, sample, finish. */
+static void engine_step(engine *e, const sched_batch *b) {
+    pd_err err = {{0}};
+    int rows = 0;
+    for (int i = 0; i < b->n; i++) rows += b->steps[i].want_logits;
+    if (rows > e->logits_rows) {
+        float *nl = realloc(e->logits, sizeof(float) * (size_t)e->vocab * (size_t)rows);
+        if (!nl) {
+            pd_fail(&err, "out of memory for logits");
+            for (int i = 0; i < b->n; i++) scheduler_finish(e->sched, b->seqs[i], FINISH_ERROR, err.msg);
+            return;
+        }
+        e->logits = nl;
+        e->logits_rows = rows;
+    }
+    if (opt_forward(e->model, e->kv, b->steps, b->n, e->logits, &err) != 0) {
+        pd_log(PD_LOG_ERROR, "forward pass failed: %s", err.msg);
+        for (int i = 0; i < b->n; i++) scheduler_finish(e->sched, b->seqs[i], FINISH_ERROR, err.msg);
+        return;
+    }
+    e->work.steps++;
+    int row = 0;
+    for (int i = 0; i < b->n; i++) {
+        engine_seq *s = b->seqs[i];
+        const opt_seq_step *st = &b->steps[i];
+        e->work.step_tokens += (uint64_t)st->n_tokens;
+        /* Prompt tokens that really ran through the model this step. */
+        int prompt_end = st->start_pos + st->n_tokens < s->n_prompt ? st->start_pos + st->n_tokens : s->n_prompt;
+        if (prompt_end > st->start_pos) e->work.prompt_tokens_computed += (uint64_t)(prompt_end - st->start_pos);
+        scheduler_computed(e->sched, s, st->n_tokens);
+        if (!st->want_logits) continue;
+        finish_reason r = engine_sample(e, s, e->logits + (size_t)row++ * e->vocab);
+        e->work.generation_tokens++;
+        if (r != FINISH_NONE) scheduler_finish(e->sched, s, r, NULL);
+    }
+}
+
+static void *engine_loop(void *arg) {
+    engine *e = arg;
+    sched_batch batch;
+    memset(&batch, 0, sizeof batch);
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        while (!e->stopping && !e->inbox_head && !scheduler_has_work(e->sched)) pthread_cond_wait(&e->cv, &e->mu);
+        bool stop = e->stopping;
+        engine_seq *list = e->inbox_head;
+        e->inbox_head = e->inbox_tail = NULL;
+        e->n_inbox = 0;
+        pthread_mutex_unlock(&e->mu);
+        engine_admit_inbox(e, list);
+        if (stop) break;
+        scheduler_reap_aborted(e->sched);
+        if (scheduler_schedule(e->sched, &batch) != 0) {
+            engine_publish_stats(e);
+            continue;
+        }
+        if (batch.n > 0) engine_step(e, &batch);
+        engine_publish_stats(e);
+    }
+    scheduler_abort_all(e->sched);
+    engine_publish_stats(e);
+    sched_batch_free(&batch);
+    return NULL;
+}
+
+/* ---- creation and teardown ---- */
+
+int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
+    *out = NULL;
+    engine *e = calloc(1, sizeof *e);
+    if (!e) return pd_fail(err, "out of memory");
+    e->cfg = *cfg;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    if (tokenizer_load(cfg->model_dir, &e->tok, err) != 0) goto fail;
+    if (pd_backend_create("cpu", cfg->threads, &e->be, err) != 0) goto fail;
+    if (opt_model_load(cfg->model_dir, e->be, &e->model, err) != 0) goto fail;
+    const opt_config *mc = opt_model_config(e->model);
+    e->vocab = mc->vocab_size;
+    e->eos_id = tokenizer_eos_id(e->tok) >= 0 ? tokenizer_eos_id(e->tok) : mc->eos_token_id;
+    e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_position_embeddings;
+    if (e->max_model_len > mc->max_position_embeddings) {
+        pd_fail(err, "--max-model-len %d is greater than the model's max_position_embeddings %d", e->max_model_len,
+                mc->max_position_embeddings);
+        goto fail;
+    }
+    int bs = cfg->block_size;
+    size_t block_bytes = opt_kv_block_bytes(e->model, bs);
+    int n_blocks = cfg->num_blocks_override > 0 ? cfg->num_blocks_override
+                                                : kv_blocks_for_budget((size_t)cfg->kv_cache_bytes, block_bytes);
+    int need = (e->max_model_len + bs - 1) / bs;
+    if (n_blocks < need) {
+        pd_fail(err, "the KV cache has %d blocks of %d tokens, fewer than one sequence of --max-model-len %d needs (%d)",
+                n_blocks, bs, e->max_model_len, need);
+        goto fail;
+    }
+    if (kv_pool_create(n_blocks, bs, &e->pool, err) != 0) goto fail;
+    if (opt_kv_storage_create(e->model, n_blocks, bs, &e->kv, err) != 0) goto fail;
+    e->raw_row = malloc(sizeof(float) * (size_t)e->vocab);
+    scheduler_config sc = {cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->enable_prefix_caching,
+                           e->max_model_len};
+    if (!e->raw_row || scheduler_create(&sc, e->pool, &e->work, &e->sched, err) != 0) goto fail;
+    pd_log(PD_LOG_INFO, "engine: %d KV blocks of %d tokens (%.1f MB, %d tokens), max_model_len %d, max_num_seqs %d, "
+           "max_num_batched_tokens %d, prefix caching %s", n_blocks, bs, (double)block_bytes * n_blocks / 1e6,
+           n_blocks * bs, e->max_model_len, cfg->max_num_seqs, cfg->max_num_batched_tokens,
+           cfg->enable_prefix_caching ? "on" : "off");
+    engine_publish_stats(e);
+    if (pthread_create(&e->thread, NULL, engine_loop, e) != 0) {
+        pd_fail(err, "cannot start the engine thread");
+        goto fail;
+    }
+    e->thread_started = true;
+    *out = e;
+    return 0;
+fail:
+    engine_destroy(e);
+    return -1;
+}
+
+void engine_destroy(engine *e) {
+    if (!e) return;
+    pthread_mutex_lock(&e->mu);
+    e->stopping = true;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    if (e->thread_started) pthread_join(e->thread, NULL);
+    /* Requests submitted after the loop's last look at the inbox. */
+    for (engine_seq *s = e->inbox_head, *next; s; s = next) {
+        next = s->next;
+        engine_seq_mark_finished(s, FINISH_ABORT, "the server is shutting down");
+        engine_seq_unref(s);
+    }
+    scheduler_destroy(e->sched);
+    kv_pool_destroy(e->pool);
+    opt_kv_storage_free(e->kv);
+    opt_model_free(e->model);
+    pd_backend_destroy(e->be);
+    tokenizer_free(e->tok);
+    free(e->logits);
+    free(e->raw_row);
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+}
+
+const tokenizer *engine_tokenizer(const engine *e) { return e->tok; }
+const opt_config *engine_model_config(const engine *e) { return opt_model_config(e->model); }
+int engine_max_model_len(const engine *e) { return e->max_model_len; }
+int engine_num_blocks(const engine *e) { return kv_pool_num_blocks(e->pool); }
+int engine_block_size(const engine *e) { return e->cfg.block_size; }
+
+void engine_stats_get(engine *e, engine_stats *out) {
+    pthread_mutex_lock(&e->mu);
+    *out = e->stats;
+    out->waiting += e->n_inbox;
+    pthread_mutex_unlock(&e->mu);
+}

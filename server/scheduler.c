@@ -1,0 +1,232 @@
+/* scheduler: continuous batching with chunked prefill, prefix caching and
+ * preemption by recompute. See scheduler.h for the policy. */
+#include "server/scheduler.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/engine_seq.h"
+
+/* A plain array of sequences kept in arrival order. */
+typedef struct seq_list {
+    engine_seq **v;
+    int n, cap;
+} seq_list;
+
+struct scheduler {
+    scheduler_config cfg;
+    kv_block_pool *pool;
+    engine_stats *stats;
+    seq_list waiting, running;
+    uint64_t next_order;
+};
+
+static int list_reserve(seq_list *l, int n) {
+    if (n <= l->cap) return 0;
+    int cap = l->cap ? l->cap * 2 : 16;
+    while (cap < n) cap *= 2;
+    engine_seq **v = realloc(l->v, sizeof *v * (size_t)cap);
+    if (!v) return -1;
+    l->v = v;
+    l->cap = cap;
+    return 0;
+}
+
+/* Insert keeping arrival order (preempted sequences go back to their place). */
+static int list_insert_ordered(seq_list *l, engine_seq *s) {
+    if (list_reserve(l, l->n + 1) != 0) return -1;
+    int i = l->n;
+    while (i > 0 && l->v[i - 1]->arrival_order > s->arrival_order) {
+        l->v[i] = l->v[i - 1];
+        i--;
+    }
+    l->v[i] = s;
+    l->n++;
+    return 0;
+}
+
+static void list_remove(seq_list *l, engine_seq *s) {
+    for (int i = 0; i < l->n; i++) {
+        if (l->v[i] == s) {
+            memmove(&l->v[i], &l->v[i + 1], sizeof *l->v * (size_t)(l->n - i - 1));
+            l->n--;
+            return;
+        }
+    }
+}
+
+void sched_batch_free(sched_batch *b) {
+    free(b->seqs);
+    free(b->steps);
+    memset(b, 0, sizeof *b);
+}
+
+static int batch_push(sched_batch *b, engine_seq *s, int n_new) {
+    if (b->n == b->cap) {
+        int cap = b->cap ? b->cap * 2 : 32;
+        engine_seq **seqs = realloc(b->seqs, sizeof *seqs * (size_t)cap);
+        if (!seqs) return -1;
+        b->seqs = seqs;
+        opt_seq_step *steps = realloc(b->steps, sizeof *steps * (size_t)cap);
+        if (!steps) return -1;
+        b->steps = steps;
+        b->cap = cap;
+    }
+    b->seqs[b->n] = s;
+    b->steps[b->n] = (opt_seq_step){s->tokens + s->n_computed, n_new, s->n_computed, s->blocks.ids,
+                                    s->blocks.n_blocks, s->n_computed + n_new == s->n_tokens};
+    b->n++;
+    return 0;
+}
+
+int scheduler_create(const scheduler_config *cfg, kv_block_pool *pool, engine_stats *stats, scheduler **out,
+                     pd_err *err) {
+    scheduler *s = calloc(1, sizeof *s);
+    if (!s) return pd_fail(err, "out of memory");
+    s->cfg = *cfg;
+    s->pool = pool;
+    s->stats = stats;
+    *out = s;
+    return 0;
+}
+
+void scheduler_destroy(scheduler *s) {
+    if (!s) return;
+    scheduler_abort_all(s);
+    free(s->waiting.v);
+    free(s->running.v);
+    free(s);
+}
+
+void scheduler_add(scheduler *s, engine_seq *seq) {
+    seq->arrival_order = s->next_order++;
+    seq->state = SEQ_WAITING;
+    if (list_insert_ordered(&s->waiting, seq) != 0) {
+        engine_seq_mark_finished(seq, FINISH_ERROR, "out of memory");
+        engine_seq_unref(seq);
+    }
+}
+
+bool scheduler_has_work(const scheduler *s) { return s->waiting.n > 0 || s->running.n > 0; }
+
+void scheduler_counts(const scheduler *s, int *running, int *waiting) {
+    *running = s->running.n;
+    *waiting = s->waiting.n;
+}
+
+void scheduler_finish(scheduler *s, engine_seq *seq, finish_reason r, const char *error) {
+    if (seq->state == SEQ_DONE) return;
+    list_remove(seq->state == SEQ_RUNNING ? &s->running : &s->waiting, seq);
+    seq->state = SEQ_DONE;
+    kv_table_release(s->pool, &seq->blocks);
+    engine_seq_mark_finished(seq, r, error);
+    engine_seq_unref(seq);
+}
+
+void scheduler_reap_aborted(scheduler *s) {
+    seq_list *lists[2] = {&s->running, &s->waiting};
+    for (int k = 0; k < 2; k++)
+        for (int i = lists[k]->n - 1; i >= 0; i--)
+            if (atomic_load(&lists[k]->v[i]->abort_requested))
+                scheduler_finish(s, lists[k]->v[i], FINISH_ABORT, NULL);
+}
+
+void scheduler_abort_all(scheduler *s) {
+    while (s->running.n) scheduler_finish(s, s->running.v[s->running.n - 1], FINISH_ABORT, "the server is shutting down");
+    while (s->waiting.n) scheduler_finish(s, s->waiting.v[s->waiting.n - 1], FINISH_ABORT, "the server is shutting down");
+}
+
+/* Free a running sequence's blocks and send it back to wait; it will be
+ * recomputed from its tokens (prompt + output so far) when admitted again. */
+static void preempt(scheduler *s, engine_seq *seq) {
+    list_remove(&s->running, seq);
+    kv_table_release(s->pool, &seq->blocks);
+    seq->n_computed = 0;
+    seq->state = SEQ_WAITING;
+    s->stats->preemptions++;
+    if (list_insert_ordered(&s->waiting, seq) != 0) {
+        seq->state = SEQ_DONE;
+        engine_seq_mark_finished(seq, FINISH_ERROR, "out of memory");
+        engine_seq_unref(seq);
+    }
+}
+
+static bool in_batch(const sched_batch *b, const engine_seq *seq) {
+    for (int i = 0; i < b->n; i++)
+        if (b->seqs[i] == seq) return true;
+    return false;
+}
+
+/* Make room for a running sequence's next n_new tokens, preempting the
+ * newest running sequences not already in this step. Returns false when the
+ * sequence itself had to be preempted. */
+static bool reserve_running(scheduler *s, sched_batch *b, engine_seq *seq, int n_new) {
+    pd_err err;
+    while (kv_table_reserve(s->pool, &seq->blocks, seq->n_computed + n_new, &err) != 0) {
+        engine_seq *victim = NULL;
+        for (int i = s->running.n - 1; i >= 0 && !victim; i--)
+            if (!in_batch(b, s->running.v[i])) victim = s->running.v[i];
+        if (!victim) return false; /* cannot happen: seq itself is never in the batch yet */
+        preempt(s, victim);
+        if (victim == seq) return false;
+    }
+    return true;
+}
+
+int scheduler_schedule(scheduler *s, sched_batch *b) {
+    b->n = 0;
+    int budget = s->cfg.max_num_batched_tokens;
+    /* 1 + 2: running sequences, decodes first (one token each), then the
+     * ones still prefilling. */
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < s->running.n && budget > 0; i++) {
+            engine_seq *seq = s->running.v[i];
+            int pending = seq->n_tokens - seq->n_computed;
+            if ((pass == 0) != (pending == 1) || in_batch(b, seq)) continue;
+            int n_new = pending < budget ? pending : budget;
+            int before = s->running.n;
+            if (reserve_running(s, b, seq, n_new)) {
+                if (batch_push(b, seq, n_new) != 0) return -1;
+                budget -= n_new;
+            }
+            /* A preemption edited the list: rescan (batched sequences are skipped). */
+            if (s->running.n != before) i = -1;
+        }
+    }
+    /* 3: admit waiting sequences in arrival order. */
+    while (s->waiting.n > 0 && budget > 0 && s->running.n < s->cfg.max_num_seqs) {
+        engine_seq *seq = s->waiting.v[0];
+        int cached = 0;
+        if (s->cfg.enable_prefix_caching && seq->n_computed == 0) {
+            /* Leave at least one token to compute so the step yields logits. */
+            cached = kv_table_match_prefix(s->pool, &seq->blocks, seq->tokens, seq->n_tokens - 1);
+            seq->n_computed = cached;
+        }
+        int pending = seq->n_tokens - seq->n_computed;
+        int n_new = pending < budget ? pending : budget;
+        pd_err err;
+        if (kv_table_reserve(s->pool, &seq->blocks, seq->n_computed + n_new, &err) != 0) {
+            kv_table_release(s->pool, &seq->blocks); /* give back the matched prefix too */
+            seq->n_computed = 0;
+            break; /* wait for running sequences to finish */
+        }
+        if (s->cfg.enable_prefix_caching) {
+            s->stats->prefix_queries += (uint64_t)seq->n_tokens;
+            s->stats->prefix_hits += (uint64_t)cached;
+        }
+        list_remove(&s->waiting, seq);
+        seq->state = SEQ_RUNNING;
+        if (list_insert_ordered(&s->running, seq) != 0 || batch_push(b, seq, n_new) != 0) return -1;
+        pthread_mutex_lock(&seq->mu);
+        if (seq->times.scheduled == 0) seq->times.scheduled = pd_now();
+        if (seq->times.n_cached == 0) seq->times.n_cached = cached;
+        pthread_mutex_unlock(&seq->mu);
+        budget -= n_new;
+    }
+    return 0;
+}
+
+void scheduler_computed(scheduler *s, engine_seq *seq, int n) {
+    seq->n_computed += n;
+    if (s->cfg.enable_prefix_caching) kv_table_publish_full(s->pool, &seq->blocks, seq->tokens, seq->n_computed);
+}
