@@ -167,19 +167,18 @@ static const float small_logits[10] = {1.0f, 2.0f, 0.5f,  -1.0f, 3.0f,
 static void test_validate(void) {
     struct {
         const char *field, *value;
-        void (*set)(sampling_params *);
     } bad[] = {
-        {"temperature", "-0.5", NULL},
-        {"top_p", "0", NULL},
-        {"top_p", "1.5", NULL},
-        {"top_k", "-2", NULL},
-        {"min_p", "-0.1", NULL},
-        {"min_p", "1.1", NULL},
-        {"presence_penalty", "2.5", NULL},
-        {"frequency_penalty", "-3", NULL},
-        {"repetition_penalty", "0", NULL},
-        {"repetition_penalty", "-1", NULL},
-        {"temperature", "nan", NULL},
+        {"temperature", "-0.5"},
+        {"top_p", "0"},
+        {"top_p", "1.5"},
+        {"top_k", "-2"},
+        {"min_p", "-0.1"},
+        {"min_p", "1.1"},
+        {"presence_penalty", "2.5"},
+        {"frequency_penalty", "-3"},
+        {"repetition_penalty", "0"},
+        {"repetition_penalty", "-1"},
+        {"temperature", "nan"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         sampling_params p;
