@@ -29,6 +29,8 @@ int sampling_params_validate(const sampling_params *p, pd_err *err);
 /* Per-request sampler state: its RNG and the token history the penalties use. */
 typedef struct sampler sampler;
 /* fallback_seed is used when the params carry no seed (e.g. from --seed and a request counter). */
+/* The params must pass sampling_params_validate; returns NULL if they do not,
+ * if vocab_size < 1, or when out of memory. */
 sampler *sampler_create(const sampling_params *p, int vocab_size, uint64_t fallback_seed);
 void sampler_free(sampler *s);
 /* Tell the sampler about prompt tokens (for repetition_penalty). */
@@ -36,7 +38,24 @@ void sampler_add_prompt(sampler *s, const int32_t *ids, int n);
 /* Sample from logits (modified in place: penalties, temperature). Records the
  * chosen token as output history. Returns the token id. */
 int32_t sampler_sample(sampler *s, float *logits);
-/* Log-probability of each token under the final distribution of the last
- * sample is not needed yet; issue 3 adds logprobs. */
+/* Like sampler_sample, and also reports logprobs the way vLLM V1 does by
+ * default ("raw_logprobs"): log-softmax of the logits as the model produced
+ * them, before penalties and temperature. *token_logprob gets the chosen
+ * token's; top_ids/top_logprobs (n_top entries, may be NULL when n_top is 0)
+ * get the n_top most likely tokens, most likely first, ties by lower id.
+ * Returns the token id, or -1 (nothing sampled or recorded) when out of memory. */
+int32_t sampler_sample_logprobs(sampler *s, float *logits, int n_top, float *token_logprob,
+                                int32_t *top_ids, float *top_logprobs);
+/* The distribution sampler_sample would draw from for these logits, written
+ * into probs[vocab_size] (zeros for filtered tokens; one-hot when greedy).
+ * Applies penalties and temperature to logits in place like sampler_sample,
+ * but draws nothing and records nothing. Returns 0, or -1 when out of memory. */
+int sampler_probs(sampler *s, float *logits, float *probs);
+
+/* Raw log-softmax helpers (they read logits only). */
+double sampler_logsumexp(const float *logits, int n);
+/* The min(k, n) largest log-probabilities, most likely first, ties by lower id.
+ * Returns how many were written. */
+int sampler_top_logprobs(const float *logits, int n, int k, int32_t *ids, float *logprobs);
 
 #endif
