@@ -66,7 +66,6 @@ struct engine {
 
     /* Step buffers, owned by the engine thread. */
     float *logits;
-    float *raw_row;
     int logits_rows;
 };
 
@@ -268,32 +267,6 @@ engine_status engine_submit(engine *e, const int32_t *prompt, int n_prompt, cons
 
 /* ---- the engine thread ---- */
 
-/* Log-probabilities from raw logits: the chosen token's, and the top k. */
-static void compute_logprobs(const float *row, int vocab, int32_t chosen, int k, float *chosen_lp, int32_t *top_ids,
-                             float *top_lps) {
-    float mx = row[0];
-    for (int i = 1; i < vocab; i++)
-        if (row[i] > mx) mx = row[i];
-    double sum = 0;
-    for (int i = 0; i < vocab; i++) sum += exp((double)row[i] - mx);
-    float lse = mx + (float)log(sum);
-    *chosen_lp = row[chosen] - lse;
-    /* Top k by insertion into a small sorted list (k <= 20). */
-    int n = 0;
-    for (int i = 0; i < vocab && k > 0; i++) {
-        if (n == k && row[i] <= top_lps[k - 1]) continue;
-        int j = n < k ? n++ : k - 1;
-        while (j > 0 && top_lps[j - 1] < row[i]) {
-            top_lps[j] = top_lps[j - 1];
-            top_ids[j] = top_ids[j - 1];
-            j--;
-        }
-        top_lps[j] = row[i];
-        top_ids[j] = i;
-    }
-    for (int j = 0; j < n; j++) top_lps[j] -= lse;
-}
-
 static bool is_stop_id(const engine_seq *s, int32_t id) {
     for (int i = 0; i < s->params.n_stop_token_ids; i++)
         if (s->stop_ids[i] == id) return true;
@@ -311,12 +284,12 @@ static finish_reason engine_sample(engine *e, engine_seq *s, float *row) {
         for (int i = 0; i < p->n_stop_token_ids; i++)
             if (s->stop_ids[i] >= 0 && s->stop_ids[i] < e->vocab) row[s->stop_ids[i]] = -INFINITY;
     }
-    if (p->logprobs >= 0) memcpy(e->raw_row, row, sizeof(float) * (size_t)e->vocab);
-    int32_t id = sampler_sample(s->smp, row);
     float lp = 0;
     int32_t top_ids[ENGINE_MAX_LOGPROBS];
     float top_lps[ENGINE_MAX_LOGPROBS];
-    if (p->logprobs >= 0) compute_logprobs(e->raw_row, e->vocab, id, p->logprobs, &lp, top_ids, top_lps);
+    int32_t id = p->logprobs >= 0 ? sampler_sample_logprobs(s->smp, row, p->logprobs, &lp, top_ids, top_lps)
+                                  : sampler_sample(s->smp, row);
+    if (id < 0) return FINISH_ERROR;
     s->tokens[s->n_tokens++] = id;
     n_out++;
     seq_publish(s, id, lp, top_ids, top_lps);
@@ -390,7 +363,7 @@ static void engine_step(engine *e, const sched_batch *b) {
         if (!st->want_logits) continue;
         finish_reason r = engine_sample(e, s, e->logits + (size_t)row++ * e->vocab);
         e->work.generation_tokens++;
-        if (r != FINISH_NONE) scheduler_finish(e->sched, s, r, NULL);
+        if (r != FINISH_NONE) scheduler_finish(e->sched, s, r, r == FINISH_ERROR ? "out of memory while sampling" : NULL);
     }
 }
 
@@ -455,10 +428,9 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     }
     if (kv_pool_create(n_blocks, bs, &e->pool, err) != 0) goto fail;
     if (opt_kv_storage_create(e->model, n_blocks, bs, &e->kv, err) != 0) goto fail;
-    e->raw_row = malloc(sizeof(float) * (size_t)e->vocab);
     scheduler_config sc = {cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->enable_prefix_caching,
                            e->max_model_len};
-    if (!e->raw_row || scheduler_create(&sc, e->pool, &e->work, &e->sched, err) != 0) goto fail;
+    if (scheduler_create(&sc, e->pool, &e->work, &e->sched, err) != 0) goto fail;
     pd_log(PD_LOG_INFO, "engine: %d KV blocks of %d tokens (%.1f MB, %d tokens), max_model_len %d, max_num_seqs %d, "
            "max_num_batched_tokens %d, prefix caching %s", n_blocks, bs, (double)block_bytes * n_blocks / 1e6,
            n_blocks * bs, e->max_model_len, cfg->max_num_seqs, cfg->max_num_batched_tokens,
@@ -496,7 +468,6 @@ void engine_destroy(engine *e) {
     pd_backend_destroy(e->be);
     tokenizer_free(e->tok);
     free(e->logits);
-    free(e->raw_row);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);

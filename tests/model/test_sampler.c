@@ -578,9 +578,7 @@ static void test_speed(void) {
             if (per < best) best = per;
         }
         printf("sample, vocab %d, %s: %.1f us\n", V, cases[c].name, best * 1e6);
-#if defined(NDEBUG) && !defined(__SANITIZE_ADDRESS__)
-        CHECKF(best < 1e-3, "%s takes %.3f ms per sample", cases[c].name, best * 1e3);
-#endif
+        /* Informational only: speed targets live in benchmarks, not in unit tests. */
         sampler_free(s);
     }
     free(base);
