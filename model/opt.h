@@ -14,12 +14,19 @@
 
 #include "model/backend.h"
 #include "model/config.h"
+#include "model/weights.h"
 
 typedef struct opt_model opt_model;
 
 /* Load config.json + weights from a model directory onto a backend
  * (weights converted to the backend's compute dtype). */
 int opt_model_load(const char *model_dir, pd_backend *be, opt_model **out, pd_err *err);
+/* Build a model from already-located weights: checks every view's shape
+ * against the config and uploads the weights into one backend allocation
+ * (q, k and v are fused into one [3h, h] matrix). The views are only read
+ * during this call. The backend must outlive the model. */
+int opt_model_create(const opt_config *cfg, const opt_weights *w, pd_backend *be, opt_model **out,
+                     pd_err *err);
 void opt_model_free(opt_model *m);
 const opt_config *opt_model_config(const opt_model *m);
 /* Bytes the weights occupy on the backend. */
@@ -34,12 +41,14 @@ int opt_kv_storage_create(opt_model *m, int num_blocks, int block_size, opt_kv_s
 void opt_kv_storage_free(opt_kv_storage *kv);
 int opt_kv_num_blocks(const opt_kv_storage *kv);
 int opt_kv_block_size(const opt_kv_storage *kv);
+/* Backend pointers to one layer's K and V arrays (for KV transfer). */
+void opt_kv_layer(const opt_kv_storage *kv, int layer, void **k, void **v);
 
 /* One sequence's part of a forward step. */
 typedef struct opt_seq_step {
     const int32_t *tokens; /* the new tokens */
     int n_tokens;
-    int start_pos;            /* position of tokens[0] == tokens already in the cache */
+    int start_pos;              /* position of tokens[0] == tokens already in the cache */
     const int32_t *block_table; /* physical block ids covering start_pos + n_tokens */
     int n_blocks;
     bool want_logits; /* return logits for the last new token */

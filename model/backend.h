@@ -1,0 +1,104 @@
+/* backend: the ops table the OPT forward pass is written against.
+ *
+ * A backend owns one device (the CPU, or later one GPU with one stream) and
+ * exposes it as a struct of function pointers. Every pointer the compute ops
+ * take is *device memory* obtained from `alloc` (on the CPU that is ordinary
+ * host memory; on CUDA it would be a device pointer). Elements are of the
+ * backend's compute dtype `dtype` (fp32 on the CPU) unless a parameter says
+ * int32. Device pointers may be offset with byte arithmetic
+ * (`(char *)p + i * be->elem_size`).
+ *
+ * Compute ops return nothing: a GPU backend only queues them, so an error
+ * (if any) surfaces at the next `sync` or `download_f32`. Copies and
+ * allocation can fail at once and report through pd_err.
+ *
+ * Per-step batch metadata (token ids, positions, slot mapping, block tables)
+ * is uploaded once per step as small int32 device arrays (pd_step_meta), so
+ * the forward pass never reads device memory back in the middle of a step. */
+#ifndef PD_MODEL_BACKEND_H
+#define PD_MODEL_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/pd_common.h"
+#include "model/config.h"
+#include "model/weights.h"
+
+/* Where each new token of a step lives. All pointers are device int32 arrays. */
+typedef struct pd_step_meta {
+    int n_tokens;                /* T: new tokens in this step, all sequences together */
+    int n_seqs;                  /* sequences in this step */
+    int max_blocks;              /* row length of block_tables */
+    const int32_t *token_ids;    /* [T] */
+    const int32_t *positions;    /* [T] absolute position of each token in its sequence */
+    const int32_t *token_seq;    /* [T] index of the token's sequence in this step */
+    const int32_t *slot_mapping; /* [T] block_table[pos / bs] * bs + pos % bs */
+    const int32_t *block_tables; /* [n_seqs, max_blocks] physical block ids (-1 padded) */
+    const int32_t *seq_lens;     /* [n_seqs] tokens in the cache after this step */
+} pd_step_meta;
+
+typedef struct pd_backend pd_backend;
+
+struct pd_backend {
+    const char *name; /* "cpu" */
+    pd_dtype dtype;   /* compute/storage dtype of weights, activations and KV */
+    size_t elem_size; /* bytes per element of dtype */
+    int n_threads;    /* worker threads (CPU), informational elsewhere */
+    void *ctx;        /* backend private state */
+
+    /* --- memory --- */
+    /* Device allocation (zeroed). NULL + err on failure. */
+    void *(*alloc)(pd_backend *be, size_t bytes, pd_err *err);
+    void (*free)(pd_backend *be, void *p); /* NULL is fine */
+    int (*copy_h2d)(pd_backend *be, void *dst, const void *src, size_t bytes, pd_err *err);
+    int (*copy_d2h)(pd_backend *be, void *dst, const void *src, size_t bytes, pd_err *err);
+    /* Copy n compute-dtype elements to host fp32 (waits for queued work). */
+    int (*download_f32)(pd_backend *be, float *dst, const void *src, size_t n, pd_err *err);
+    /* Copy a host weight view (F32/F16/BF16, rows*cols elements) into device
+     * memory, converting to the compute dtype. */
+    int (*upload_view)(pd_backend *be, void *dst, const pd_view *src, pd_err *err);
+    /* Wait until queued work is done; report any deferred error. */
+    int (*sync)(pd_backend *be, pd_err *err);
+
+    /* --- compute (x, y: [rows, dim] row-major, compute dtype) --- */
+    /* y[T,out] = x[T,in] . W[out,in]^T (+ bias[out] when bias != NULL).
+     * x's rows are x_stride elements apart (>= in); y is dense. */
+    void (*gemm)(pd_backend *be, void *y, const void *x, int x_stride, const void *w,
+                 const void *bias, int T, int in, int out);
+    /* y = (x - mean) / sqrt(var + eps) (* w + b when w != NULL), per row,
+     * fp32 reductions. y may equal x. */
+    void (*layer_norm)(pd_backend *be, void *y, const void *x, const void *w, const void *b,
+                       int rows, int dim, float eps);
+    /* x = act(x) in place over n elements. */
+    void (*activation)(pd_backend *be, void *x, size_t n, pd_activation act);
+    /* y += x over n elements. */
+    void (*add)(pd_backend *be, void *y, const void *x, size_t n);
+    /* y[t] = table[idx[t] + offset]  (accumulate == 0)
+     * y[t] += table[idx[t] + offset] (accumulate != 0); rows of dim elements. */
+    void (*embedding)(pd_backend *be, void *y, const void *table, const int32_t *idx, int offset,
+                      int rows, int dim, int accumulate);
+    /* y[i] = x[rows[i]] for i < n (rows: device int32). */
+    void (*gather_rows)(pd_backend *be, void *y, const void *x, const int32_t *rows, int n,
+                        int dim);
+    /* Write each new token's k and v rows ([T, kv_dim], row stride `stride`)
+     * into the paged cache at slot_mapping[t]; the cache is [slots, kv_dim]. */
+    void (*kv_write)(pd_backend *be, void *k_cache, void *v_cache, const void *k, const void *v,
+                     int stride, const pd_step_meta *meta, int kv_dim);
+    /* For every new token t and head: softmax over positions 0..positions[t]
+     * of (scale * q) . k, then the weighted sum of v, all read from the paged
+     * cache through the token's block table. q rows are q_stride apart;
+     * out is [T, heads * head_dim]. Softmax in fp32. */
+    void (*paged_attention)(pd_backend *be, void *out, const void *q, int q_stride,
+                            const void *k_cache, const void *v_cache, const pd_step_meta *meta,
+                            int heads, int head_dim, int block_size, float scale);
+
+    void (*destroy)(pd_backend *be);
+};
+
+/* Create a backend by name: "cpu" (later "cuda"). n_threads: worker threads
+ * for the CPU backend, 0 = one per core. */
+int pd_backend_create(const char *name, int n_threads, pd_backend **out, pd_err *err);
+void pd_backend_destroy(pd_backend *be);
+
+#endif

@@ -1,0 +1,580 @@
+/* opt: the OPT decoder forward pass (see opt.h), written once against the
+ * backend ops table. Names follow Hugging Face's modeling_opt.py:
+ * embed_tokens, project_in, embed_positions, self_attn_layer_norm (ln_attn
+ * here), q/k/v/out_proj, final_layer_norm of a layer (ln_ffn here), fc1,
+ * fc2, the decoder's final_layer_norm, project_out, lm_head. */
+#include "model/opt.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Device pointers of one decoder layer. qkv_w is q_proj, k_proj and v_proj
+ * stacked into one [3h, h] matrix, so one GEMM produces q | k | v per token. */
+typedef struct opt_layer_dev {
+    void *qkv_w, *qkv_b, *o_w, *o_b;
+    void *ln_attn_w, *ln_attn_b;
+    void *fc1_w, *fc1_b, *fc2_w, *fc2_b;
+    void *ln_ffn_w, *ln_ffn_b;
+} opt_layer_dev;
+
+/* Activation scratch for one step, in backend memory; grown on demand. */
+typedef struct opt_scratch {
+    int cap_tokens, cap_logits, cap_meta;
+    void *x;            /* [T, h] residual stream */
+    void *a;            /* [T, h] layer-norm output / sub-block output */
+    void *qkv;          /* [T, 3h] */
+    void *attn;         /* [T, h] attention output before out_proj */
+    void *ffn;          /* [T, f] */
+    void *emb;          /* [T, w] token embeddings before project_in */
+    void *last;         /* [n_logits, max(h, w)] rows that want logits */
+    void *last_w;       /* [n_logits, w] after project_out */
+    void *logits;       /* [n_logits, V] */
+    void *meta_dev;     /* int32 [cap_meta] */
+    int32_t *meta_host; /* host staging for the same */
+} opt_scratch;
+
+struct opt_model {
+    opt_config cfg;
+    pd_backend *be;
+    bool has_final_ln, has_proj;
+    void *weights; /* the one allocation every weight pointer points into */
+    size_t weight_bytes;
+    void *embed_tokens, *embed_positions, *project_in, *project_out;
+    void *final_ln_w, *final_ln_b, *lm_head;
+    opt_layer_dev *layers;
+    opt_scratch s;
+};
+
+struct opt_kv_storage {
+    opt_model *m;
+    int num_blocks, block_size;
+    void *mem;     /* one allocation: K then V of every layer */
+    void **k, **v; /* per layer, [num_blocks * block_size, h] */
+};
+
+/* ---- weight upload ---- */
+
+/* Lays weights out in one allocation. The same code runs twice: a sizing
+ * pass (base == NULL: only offsets advance) and an upload pass. */
+typedef struct weight_placer {
+    pd_backend *be;
+    char *base;
+    size_t off;
+    int failed;
+    pd_err *err;
+} weight_placer;
+
+#define WEIGHT_ALIGN 64
+
+/* Reserve n elements; returns the device pointer (NULL in the sizing pass). */
+static void *place_reserve(weight_placer *p, size_t n) {
+    void *at = p->base ? p->base + p->off : NULL;
+    p->off += (n * p->be->elem_size + WEIGHT_ALIGN - 1) / WEIGHT_ALIGN * WEIGHT_ALIGN;
+    return at;
+}
+
+static void place_upload(weight_placer *p, void *dst, const pd_view *v) {
+    if (!p->base || !v->data || p->failed) return;
+    if (p->be->upload_view(p->be, dst, v, p->err) != 0) p->failed = 1;
+}
+
+/* Reserve and upload one tensor; absent tensors get NULL. */
+static void *place_view(weight_placer *p, const pd_view *v) {
+    if (!v->data) return NULL;
+    void *dst = place_reserve(p, (size_t)(v->rows * v->cols));
+    place_upload(p, dst, v);
+    return dst;
+}
+
+/* A layer norm's weight and bias: both or neither. A missing bias next to a
+ * present weight stays zero (the allocation is zeroed). */
+static void place_ln(weight_placer *p, const pd_view *w, const pd_view *b, int h, void **dw,
+                     void **db) {
+    *dw = *db = NULL;
+    if (!w->data) return;
+    *dw = place_reserve(p, (size_t)h);
+    *db = place_reserve(p, (size_t)h);
+    place_upload(p, *dw, w);
+    place_upload(p, *db, b);
+}
+
+static void place_layer(weight_placer *p, const opt_config *c, const opt_layer_weights *lw,
+                        opt_layer_dev *d) {
+    const size_t h = (size_t)c->hidden_size, es = p->be->elem_size;
+    d->qkv_w = place_reserve(p, 3 * h * h);
+    if (p->base) {
+        place_upload(p, d->qkv_w, &lw->q_w);
+        place_upload(p, (char *)d->qkv_w + h * h * es, &lw->k_w);
+        place_upload(p, (char *)d->qkv_w + 2 * h * h * es, &lw->v_w);
+    }
+    d->qkv_b = NULL;
+    if (lw->q_b.data || lw->k_b.data || lw->v_b.data) {
+        d->qkv_b = place_reserve(p, 3 * h);
+        if (p->base) {
+            place_upload(p, d->qkv_b, &lw->q_b);
+            place_upload(p, (char *)d->qkv_b + h * es, &lw->k_b);
+            place_upload(p, (char *)d->qkv_b + 2 * h * es, &lw->v_b);
+        }
+    }
+    d->o_w = place_view(p, &lw->o_w);
+    d->o_b = place_view(p, &lw->o_b);
+    place_ln(p, &lw->attn_ln_w, &lw->attn_ln_b, c->hidden_size, &d->ln_attn_w, &d->ln_attn_b);
+    d->fc1_w = place_view(p, &lw->fc1_w);
+    d->fc1_b = place_view(p, &lw->fc1_b);
+    d->fc2_w = place_view(p, &lw->fc2_w);
+    d->fc2_b = place_view(p, &lw->fc2_b);
+    place_ln(p, &lw->ffn_ln_w, &lw->ffn_ln_b, c->hidden_size, &d->ln_ffn_w, &d->ln_ffn_b);
+}
+
+static void place_all(weight_placer *p, opt_model *m, const opt_weights *w) {
+    const opt_config *c = &m->cfg;
+    m->embed_tokens = place_view(p, &w->embed_tokens);
+    m->embed_positions = place_view(p, &w->embed_positions);
+    m->project_in = m->has_proj ? place_view(p, &w->project_in) : NULL;
+    m->project_out = m->has_proj ? place_view(p, &w->project_out) : NULL;
+    place_ln(p, &w->final_ln_w, &w->final_ln_b, c->hidden_size, &m->final_ln_w, &m->final_ln_b);
+    if (!m->has_final_ln) m->final_ln_w = m->final_ln_b = NULL;
+    /* Tied (the usual case): share the embedding instead of a second copy. */
+    if (w->lm_head.data == w->embed_tokens.data && w->lm_head.dtype == w->embed_tokens.dtype)
+        m->lm_head = m->embed_tokens;
+    else
+        m->lm_head = place_view(p, &w->lm_head);
+    for (int l = 0; l < c->num_hidden_layers; l++)
+        place_layer(p, c, &w->layers[l], &m->layers[l]);
+}
+
+/* ---- shape checks (the binder checks too; this guards hand-built views) ---- */
+
+static int check_view(const pd_view *v, const char *name, int layer, int64_t rows, int64_t cols,
+                      bool required, pd_err *err) {
+    char full[64];
+    if (layer >= 0)
+        snprintf(full, sizeof full, "layers.%d.%s", layer, name);
+    else
+        snprintf(full, sizeof full, "%s", name);
+    if (!v->data) return required ? pd_fail(err, "opt model: tensor %s is missing", full) : 0;
+    const bool same = v->rows == rows && v->cols == cols;
+    const bool vec = rows == 1 && v->rows * v->cols == cols; /* a vector, any 2-d spelling */
+    if (!same && !vec)
+        return pd_fail(err, "opt model: tensor %s has shape [%lld,%lld], expected [%lld,%lld]",
+                       full, (long long)v->rows, (long long)v->cols, (long long)rows,
+                       (long long)cols);
+    if (v->dtype != PD_F32 && v->dtype != PD_F16 && v->dtype != PD_BF16)
+        return pd_fail(err, "opt model: tensor %s has unsupported dtype %d", full, (int)v->dtype);
+    return 0;
+}
+
+static int check_weights(const opt_model *m, const opt_weights *w, pd_err *err) {
+    const opt_config *c = &m->cfg;
+    const int64_t V = c->vocab_size, h = c->hidden_size, f = c->ffn_dim;
+    const int64_t wd = c->word_embed_proj_dim, P = c->max_position_embeddings + 2;
+    const bool bias = c->enable_bias, aff = c->layer_norm_elementwise_affine;
+    if (w->num_layers != c->num_hidden_layers)
+        return pd_fail(err, "opt model: weights have %d layers, config has %d", w->num_layers,
+                       c->num_hidden_layers);
+    if (check_view(&w->embed_tokens, "embed_tokens", -1, V, wd, true, err) ||
+        check_view(&w->embed_positions, "embed_positions", -1, P, h, true, err) ||
+        check_view(&w->lm_head, "lm_head", -1, V, wd, true, err) ||
+        check_view(&w->project_in, "project_in", -1, h, wd, m->has_proj, err) ||
+        check_view(&w->project_out, "project_out", -1, wd, h, m->has_proj, err) ||
+        check_view(&w->final_ln_w, "final_layer_norm.weight", -1, 1, h, m->has_final_ln && aff,
+                   err) ||
+        check_view(&w->final_ln_b, "final_layer_norm.bias", -1, 1, h, false, err))
+        return -1;
+    for (int l = 0; l < w->num_layers; l++) {
+        const opt_layer_weights *L = &w->layers[l];
+        if (check_view(&L->q_w, "q_proj.weight", l, h, h, true, err) ||
+            check_view(&L->k_w, "k_proj.weight", l, h, h, true, err) ||
+            check_view(&L->v_w, "v_proj.weight", l, h, h, true, err) ||
+            check_view(&L->o_w, "out_proj.weight", l, h, h, true, err) ||
+            check_view(&L->q_b, "q_proj.bias", l, 1, h, bias, err) ||
+            check_view(&L->k_b, "k_proj.bias", l, 1, h, bias, err) ||
+            check_view(&L->v_b, "v_proj.bias", l, 1, h, bias, err) ||
+            check_view(&L->o_b, "out_proj.bias", l, 1, h, bias, err) ||
+            check_view(&L->fc1_w, "fc1.weight", l, f, h, true, err) ||
+            check_view(&L->fc1_b, "fc1.bias", l, 1, f, bias, err) ||
+            check_view(&L->fc2_w, "fc2.weight", l, h, f, true, err) ||
+            check_view(&L->fc2_b, "fc2.bias", l, 1, h, bias, err) ||
+            check_view(&L->attn_ln_w, "self_attn_layer_norm.weight", l, 1, h, aff, err) ||
+            check_view(&L->attn_ln_b, "self_attn_layer_norm.bias", l, 1, h, false, err) ||
+            check_view(&L->ffn_ln_w, "final_layer_norm.weight", l, 1, h, aff, err) ||
+            check_view(&L->ffn_ln_b, "final_layer_norm.bias", l, 1, h, false, err))
+            return -1;
+    }
+    return 0;
+}
+
+static int check_config(const opt_config *c, pd_err *err) {
+    if (c->vocab_size <= 0 || c->hidden_size <= 0 || c->num_hidden_layers <= 0 || c->ffn_dim <= 0 ||
+        c->num_attention_heads <= 0 || c->max_position_embeddings <= 0 ||
+        c->word_embed_proj_dim <= 0)
+        return pd_fail(err, "opt model: config has a non-positive size");
+    if (c->hidden_size % c->num_attention_heads != 0)
+        return pd_fail(err, "opt model: hidden_size %d is not divisible by num_attention_heads %d",
+                       c->hidden_size, c->num_attention_heads);
+    if (c->head_dim != c->hidden_size / c->num_attention_heads)
+        return pd_fail(err, "opt model: head_dim %d != hidden_size / num_attention_heads",
+                       c->head_dim);
+    if (c->head_dim > 512)
+        return pd_fail(err, "opt model: head_dim %d is larger than supported (512)", c->head_dim);
+    return 0;
+}
+
+int opt_model_create(const opt_config *cfg, const opt_weights *w, pd_backend *be, opt_model **out,
+                     pd_err *err) {
+    *out = NULL;
+    if (check_config(cfg, err) != 0) return -1;
+    opt_model *m = calloc(1, sizeof *m);
+    if (!m) return pd_fail(err, "opt model: out of memory");
+    m->cfg = *cfg;
+    m->be = be;
+    /* The same two rules as HF: the final LN exists only for pre-LN models
+     * that did not remove it; project_in/out exist when widths differ. */
+    m->has_final_ln = cfg->do_layer_norm_before && !cfg->remove_final_layer_norm;
+    m->has_proj = cfg->word_embed_proj_dim != cfg->hidden_size;
+    m->layers = calloc((size_t)cfg->num_hidden_layers, sizeof *m->layers);
+    if (!m->layers) {
+        opt_model_free(m);
+        return pd_fail(err, "opt model: out of memory");
+    }
+    if (check_weights(m, w, err) != 0) {
+        opt_model_free(m);
+        return -1;
+    }
+    weight_placer sizing = {.be = be, .err = err};
+    place_all(&sizing, m, w);
+    m->weight_bytes = sizing.off;
+    m->weights = be->alloc(be, m->weight_bytes, err);
+    if (!m->weights) {
+        opt_model_free(m);
+        return pd_wrap(err, "opt model: weights (%zu bytes)", sizing.off);
+    }
+    weight_placer up = {.be = be, .base = m->weights, .err = err};
+    place_all(&up, m, w);
+    if (up.failed || be->sync(be, err) != 0) {
+        opt_model_free(m);
+        return pd_wrap(err, "opt model: uploading weights");
+    }
+    *out = m;
+    return 0;
+}
+
+static void scratch_free(pd_backend *be, opt_scratch *s) {
+    void **dev[] = {&s->x,   &s->a,    &s->qkv,    &s->attn,   &s->ffn,
+                    &s->emb, &s->last, &s->last_w, &s->logits, &s->meta_dev};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) {
+        be->free(be, *dev[i]);
+        *dev[i] = NULL;
+    }
+    free(s->meta_host);
+    s->meta_host = NULL;
+    s->cap_tokens = s->cap_logits = s->cap_meta = 0;
+}
+
+void opt_model_free(opt_model *m) {
+    if (!m) return;
+    scratch_free(m->be, &m->s);
+    if (m->weights) m->be->free(m->be, m->weights);
+    free(m->layers);
+    free(m);
+}
+
+const opt_config *opt_model_config(const opt_model *m) {
+    return &m->cfg;
+}
+size_t opt_model_weight_bytes(const opt_model *m) {
+    return m->weight_bytes;
+}
+
+/* ---- KV storage ---- */
+
+size_t opt_kv_block_bytes(const opt_model *m, int block_size) {
+    return 2 * (size_t)m->cfg.num_hidden_layers * (size_t)block_size * (size_t)m->cfg.hidden_size *
+           m->be->elem_size;
+}
+
+int opt_kv_storage_create(opt_model *m, int num_blocks, int block_size, opt_kv_storage **out,
+                          pd_err *err) {
+    *out = NULL;
+    if (num_blocks <= 0 || block_size <= 0)
+        return pd_fail(err, "kv storage: num_blocks (%d) and block_size (%d) must be positive",
+                       num_blocks, block_size);
+    const int L = m->cfg.num_hidden_layers;
+    opt_kv_storage *kv = calloc(1, sizeof *kv);
+    if (!kv) return pd_fail(err, "kv storage: out of memory");
+    kv->m = m;
+    kv->num_blocks = num_blocks;
+    kv->block_size = block_size;
+    kv->k = calloc((size_t)L, sizeof *kv->k);
+    kv->v = calloc((size_t)L, sizeof *kv->v);
+    const size_t per_array =
+        (size_t)num_blocks * block_size * m->cfg.hidden_size * m->be->elem_size;
+    if (kv->k && kv->v) kv->mem = m->be->alloc(m->be, 2 * (size_t)L * per_array, err);
+    if (!kv->mem) {
+        opt_kv_storage_free(kv);
+        return pd_wrap(err, "kv storage: %d blocks of %d tokens", num_blocks, block_size);
+    }
+    for (int l = 0; l < L; l++) {
+        kv->k[l] = (char *)kv->mem + (2 * (size_t)l) * per_array;
+        kv->v[l] = (char *)kv->mem + (2 * (size_t)l + 1) * per_array;
+    }
+    *out = kv;
+    return 0;
+}
+
+void opt_kv_storage_free(opt_kv_storage *kv) {
+    if (!kv) return;
+    if (kv->mem) kv->m->be->free(kv->m->be, kv->mem);
+    free(kv->k);
+    free(kv->v);
+    free(kv);
+}
+
+int opt_kv_num_blocks(const opt_kv_storage *kv) {
+    return kv->num_blocks;
+}
+int opt_kv_block_size(const opt_kv_storage *kv) {
+    return kv->block_size;
+}
+
+void opt_kv_layer(const opt_kv_storage *kv, int layer, void **k, void **v) {
+    *k = kv->k[layer];
+    *v = kv->v[layer];
+}
+
+/* ---- the step ---- */
+
+/* Grow the step buffers to hold T tokens, n_logits logit rows and n_meta
+ * int32 metadata entries. */
+static int scratch_reserve(opt_model *m, int T, int n_logits, int n_meta, pd_err *err) {
+    opt_scratch *s = &m->s;
+    pd_backend *be = m->be;
+    const opt_config *c = &m->cfg;
+    const size_t es = be->elem_size, h = (size_t)c->hidden_size;
+    const size_t wd = (size_t)c->word_embed_proj_dim;
+    if (T > s->cap_tokens) {
+        int cap = T > 2 * s->cap_tokens ? T : 2 * s->cap_tokens;
+        void **dev[] = {&s->x, &s->a, &s->qkv, &s->attn, &s->ffn, &s->emb};
+        size_t width[] = {h, h, 3 * h, h, (size_t)c->ffn_dim, wd};
+        for (int i = 0; i < 6; i++) {
+            be->free(be, *dev[i]);
+            *dev[i] = be->alloc(be, (size_t)cap * width[i] * es, err);
+            if (!*dev[i]) {
+                scratch_free(be, s);
+                return pd_wrap(err, "opt forward: activations for %d tokens", cap);
+            }
+        }
+        s->cap_tokens = cap;
+    }
+    if (n_logits > s->cap_logits) {
+        int cap = n_logits > 2 * s->cap_logits ? n_logits : 2 * s->cap_logits;
+        void **dev[] = {&s->last, &s->last_w, &s->logits};
+        size_t width[] = {h > wd ? h : wd, wd, (size_t)c->vocab_size};
+        for (int i = 0; i < 3; i++) {
+            be->free(be, *dev[i]);
+            *dev[i] = be->alloc(be, (size_t)cap * width[i] * es, err);
+            if (!*dev[i]) {
+                scratch_free(be, s);
+                return pd_wrap(err, "opt forward: logits for %d rows", cap);
+            }
+        }
+        s->cap_logits = cap;
+    }
+    if (n_meta > s->cap_meta) {
+        int cap = n_meta > 2 * s->cap_meta ? n_meta : 2 * s->cap_meta;
+        be->free(be, s->meta_dev);
+        free(s->meta_host);
+        s->meta_dev = be->alloc(be, (size_t)cap * sizeof(int32_t), err);
+        s->meta_host = malloc((size_t)cap * sizeof(int32_t));
+        if (!s->meta_dev || !s->meta_host) {
+            scratch_free(be, s);
+            return pd_fail(err, "opt forward: out of memory for step metadata");
+        }
+        s->cap_meta = cap;
+    }
+    return 0;
+}
+
+static int validate_step(const opt_model *m, const opt_kv_storage *kv, const opt_seq_step *seqs,
+                         int n_seqs, const float *logits, int *T_out, int *n_logits_out,
+                         int *max_blocks_out, pd_err *err) {
+    const opt_config *c = &m->cfg;
+    const int bs = kv->block_size;
+    long T = 0;
+    int n_logits = 0, max_blocks = 1;
+    if (kv->m != m) return pd_fail(err, "opt forward: KV storage belongs to another model");
+    if (n_seqs < 0) return pd_fail(err, "opt forward: n_seqs %d is negative", n_seqs);
+    for (int i = 0; i < n_seqs; i++) {
+        const opt_seq_step *s = &seqs[i];
+        if (s->n_tokens < 1 || !s->tokens)
+            return pd_fail(err, "opt forward: sequence %d has no new tokens", i);
+        if (s->start_pos < 0)
+            return pd_fail(err, "opt forward: sequence %d has start_pos %d", i, s->start_pos);
+        const long end = (long)s->start_pos + s->n_tokens;
+        if (end > c->max_position_embeddings)
+            return pd_fail(err,
+                           "opt forward: sequence %d reaches position %ld, beyond "
+                           "max_position_embeddings %d",
+                           i, end - 1, c->max_position_embeddings);
+        const int need = (int)((end + bs - 1) / bs);
+        if (s->n_blocks < need || !s->block_table)
+            return pd_fail(err,
+                           "opt forward: sequence %d has %d blocks, %d needed for %ld tokens of "
+                           "block size %d",
+                           i, s->n_blocks, need, end, bs);
+        for (int b = 0; b < need; b++)
+            if (s->block_table[b] < 0 || s->block_table[b] >= kv->num_blocks)
+                return pd_fail(err, "opt forward: sequence %d block_table[%d] = %d not in [0, %d)",
+                               i, b, s->block_table[b], kv->num_blocks);
+        for (int t = 0; t < s->n_tokens; t++)
+            if (s->tokens[t] < 0 || s->tokens[t] >= c->vocab_size)
+                return pd_fail(err, "opt forward: sequence %d token %d has id %d not in [0, %d)", i,
+                               t, s->tokens[t], c->vocab_size);
+        if (need > max_blocks) max_blocks = need;
+        T += s->n_tokens;
+        n_logits += s->want_logits ? 1 : 0;
+    }
+    if (T > (1L << 24)) return pd_fail(err, "opt forward: %ld tokens in one step is too many", T);
+    if (n_logits > 0 && !logits) return pd_fail(err, "opt forward: logits wanted but no buffer");
+    *T_out = (int)T;
+    *n_logits_out = n_logits;
+    *max_blocks_out = max_blocks;
+    return 0;
+}
+
+/* Fill the host metadata, upload it in one copy and point meta into it.
+ * Layout: token_ids, positions, token_seq, slot_mapping [T each],
+ * block_tables [n_seqs * max_blocks], seq_lens [n_seqs], logit_rows [n_logits]. */
+static int upload_meta(opt_model *m, const opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                       int T, int n_logits, int max_blocks, pd_step_meta *meta,
+                       const int32_t **logit_rows, pd_err *err) {
+    int32_t *h = m->s.meta_host;
+    int32_t *ids = h, *pos = h + T, *seq = h + 2 * T, *slot = h + 3 * T;
+    int32_t *tables = h + 4 * T, *lens = tables + (size_t)n_seqs * max_blocks;
+    int32_t *rows = lens + n_seqs;
+    const int bs = kv->block_size;
+    int t = 0, r = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        const opt_seq_step *s = &seqs[i];
+        for (int j = 0; j < s->n_tokens; j++, t++) {
+            const int p = s->start_pos + j;
+            ids[t] = s->tokens[j];
+            pos[t] = p;
+            seq[t] = i;
+            slot[t] = s->block_table[p / bs] * bs + p % bs;
+        }
+        const int need = (s->start_pos + s->n_tokens + bs - 1) / bs;
+        for (int b = 0; b < max_blocks; b++)
+            tables[(size_t)i * max_blocks + b] = b < need ? s->block_table[b] : -1;
+        lens[i] = s->start_pos + s->n_tokens;
+        if (s->want_logits) rows[r++] = t - 1;
+    }
+    const size_t n = (size_t)(4 * T) + (size_t)n_seqs * max_blocks + n_seqs + n_logits;
+    if (m->be->copy_h2d(m->be, m->s.meta_dev, h, n * sizeof(int32_t), err) != 0)
+        return pd_wrap(err, "opt forward: step metadata");
+    const int32_t *d = m->s.meta_dev;
+    meta->n_tokens = T;
+    meta->n_seqs = n_seqs;
+    meta->max_blocks = max_blocks;
+    meta->token_ids = d;
+    meta->positions = d + T;
+    meta->token_seq = d + 2 * T;
+    meta->slot_mapping = d + 3 * T;
+    meta->block_tables = d + 4 * T;
+    meta->seq_lens = meta->block_tables + (size_t)n_seqs * max_blocks;
+    *logit_rows = meta->seq_lens + n_seqs;
+    return 0;
+}
+
+/* self_attn: out = out_proj(attention(q, cache)); also writes this step's
+ * k and v into the layer's cache. in and out are [T, h]. */
+static void attention_block(opt_model *m, const opt_layer_dev *L, void *k_cache, void *v_cache,
+                            int block_size, const pd_step_meta *meta, const void *in, void *out) {
+    pd_backend *be = m->be;
+    const int T = meta->n_tokens, h = m->cfg.hidden_size;
+    const int heads = m->cfg.num_attention_heads, hd = m->cfg.head_dim;
+    char *qkv = m->s.qkv; /* per token: q | k | v */
+    const size_t es = be->elem_size;
+    be->gemm(be, qkv, in, h, L->qkv_w, L->qkv_b, T, h, 3 * h);
+    be->kv_write(be, k_cache, v_cache, qkv + h * es, qkv + 2 * h * es, 3 * h, meta, h);
+    be->paged_attention(be, m->s.attn, qkv, 3 * h, k_cache, v_cache, meta, heads, hd, block_size,
+                        1.0f / sqrtf((float)hd));
+    be->gemm(be, out, m->s.attn, h, L->o_w, L->o_b, T, h, h);
+}
+
+/* fc2(act(fc1(in))); in and out are [T, h]. */
+static void ffn_block(opt_model *m, const opt_layer_dev *L, int T, const void *in, void *out) {
+    pd_backend *be = m->be;
+    const int h = m->cfg.hidden_size, f = m->cfg.ffn_dim;
+    be->gemm(be, m->s.ffn, in, h, L->fc1_w, L->fc1_b, T, h, f);
+    be->activation(be, m->s.ffn, (size_t)T * f, m->cfg.activation);
+    be->gemm(be, out, m->s.ffn, f, L->fc2_w, L->fc2_b, T, f, h);
+}
+
+#define OPT_LN_EPS 1e-5f
+
+int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                float *logits, pd_err *err) {
+    int T = 0, n_logits = 0, max_blocks = 0;
+    if (validate_step(m, kv, seqs, n_seqs, logits, &T, &n_logits, &max_blocks, err) != 0) return -1;
+    if (T == 0) return 0;
+    const int n_meta = 4 * T + n_seqs * max_blocks + n_seqs + n_logits;
+    if (scratch_reserve(m, T, n_logits, n_meta, err) != 0) return -1;
+    pd_step_meta meta;
+    const int32_t *logit_rows = NULL;
+    if (upload_meta(m, kv, seqs, n_seqs, T, n_logits, max_blocks, &meta, &logit_rows, err) != 0)
+        return -1;
+
+    pd_backend *be = m->be;
+    const opt_config *c = &m->cfg;
+    const int h = c->hidden_size, wd = c->word_embed_proj_dim;
+    opt_scratch *s = &m->s;
+
+    /* Embeddings: project_in applies to the token embedding only, before the
+     * learned positions (whose table is offset by 2 rows) are added. */
+    if (m->has_proj) {
+        be->embedding(be, s->emb, m->embed_tokens, meta.token_ids, 0, T, wd, 0);
+        be->gemm(be, s->x, s->emb, wd, m->project_in, NULL, T, wd, h);
+    } else {
+        be->embedding(be, s->x, m->embed_tokens, meta.token_ids, 0, T, h, 0);
+    }
+    be->embedding(be, s->x, m->embed_positions, meta.positions, 2, T, h, 1);
+
+    for (int l = 0; l < c->num_hidden_layers; l++) {
+        const opt_layer_dev *L = &m->layers[l];
+        void *kc = kv->k[l], *vc = kv->v[l];
+        if (c->do_layer_norm_before) { /* pre-LN: x = x + f(LN(x)) */
+            be->layer_norm(be, s->a, s->x, L->ln_attn_w, L->ln_attn_b, T, h, OPT_LN_EPS);
+            attention_block(m, L, kc, vc, kv->block_size, &meta, s->a, s->a);
+            be->add(be, s->x, s->a, (size_t)T * h);
+            be->layer_norm(be, s->a, s->x, L->ln_ffn_w, L->ln_ffn_b, T, h, OPT_LN_EPS);
+            ffn_block(m, L, T, s->a, s->a);
+            be->add(be, s->x, s->a, (size_t)T * h);
+        } else { /* post-LN: x = LN(x + f(x)) */
+            attention_block(m, L, kc, vc, kv->block_size, &meta, s->x, s->a);
+            be->add(be, s->x, s->a, (size_t)T * h);
+            be->layer_norm(be, s->x, s->x, L->ln_attn_w, L->ln_attn_b, T, h, OPT_LN_EPS);
+            ffn_block(m, L, T, s->x, s->a);
+            be->add(be, s->x, s->a, (size_t)T * h);
+            be->layer_norm(be, s->x, s->x, L->ln_ffn_w, L->ln_ffn_b, T, h, OPT_LN_EPS);
+        }
+    }
+    if (n_logits == 0) return be->sync(be, err);
+
+    /* Everything after the last layer is per row, so only the rows that want
+     * logits go through the final LN, project_out and lm_head. */
+    be->gather_rows(be, s->last, s->x, logit_rows, n_logits, h);
+    if (m->has_final_ln)
+        be->layer_norm(be, s->last, s->last, m->final_ln_w, m->final_ln_b, n_logits, h, OPT_LN_EPS);
+    const void *head_in = s->last;
+    if (m->has_proj) {
+        be->gemm(be, s->last_w, s->last, h, m->project_out, NULL, n_logits, h, wd);
+        head_in = s->last_w;
+    }
+    be->gemm(be, s->logits, head_in, wd, m->lm_head, NULL, n_logits, wd, c->vocab_size);
+    if (be->download_f32(be, logits, s->logits, (size_t)n_logits * c->vocab_size, err) != 0)
+        return pd_wrap(err, "opt forward: logits");
+    return 0;
+}
