@@ -57,6 +57,38 @@ static void test_gemm(const char *name, int nth) {
     pd_backend_destroy(be);
 }
 
+/* Batch invariance: a row's GEMM result is bitwise the same whether it is
+ * computed alone, inside a batch of any size (at any position in it), or
+ * with another thread count. The serving engine relies on this. */
+static void test_gemm_batch_invariance(const char *name) {
+    const int in = 200, out = 131, T = 23;
+    float *x = malloc(sizeof(float) * T * in), *w = malloc(sizeof(float) * out * in);
+    float *bias = malloc(sizeof(float) * out), *y_all = malloc(sizeof(float) * T * out);
+    float *y_one = malloc(sizeof(float) * out), *y_part = malloc(sizeof(float) * T * out);
+    for (int i = 0; i < T * in; i++) x[i] = frand();
+    for (int i = 0; i < out * in; i++) w[i] = frand();
+    for (int i = 0; i < out; i++) bias[i] = frand();
+    pd_backend *be1, *be3;
+    pd_err err;
+    CHECKF(pd_backend_create(name, 1, &be1, &err) == 0, "%s", err.msg);
+    CHECKF(pd_backend_create(name, 3, &be3, &err) == 0, "%s", err.msg);
+    be3->gemm(be3, y_all, x, in, w, bias, T, in, out);
+    int differ = 0;
+    for (int t = 0; t < T; t++) {
+        be1->gemm(be1, y_one, x + (size_t)t * in, in, w, bias, 1, in, out);
+        differ += memcmp(y_one, y_all + (size_t)t * out, sizeof(float) * out) != 0;
+    }
+    /* Sub-batches starting at odd offsets (tile positions change). */
+    for (int start = 1; start + 6 <= T; start += 5) {
+        be1->gemm(be1, y_part, x + (size_t)start * in, in, w, bias, 6, in, out);
+        differ += memcmp(y_part, y_all + (size_t)start * out, sizeof(float) * 6 * out) != 0;
+    }
+    CHECKF(differ == 0, "%s: %d rows differ bitwise between batch sizes", name, differ);
+    pd_backend_destroy(be1);
+    pd_backend_destroy(be3);
+    free(x), free(w), free(bias), free(y_all), free(y_one), free(y_part);
+}
+
 static void test_layer_norm_and_act(void) {
     pd_backend *be;
     pd_err err;
@@ -214,6 +246,8 @@ int main(void) {
         test_gemm("cpu", nth);
         test_gemm("cpu-baseline", nth);
     }
+    test_gemm_batch_invariance("cpu");
+    test_gemm_batch_invariance("cpu-baseline");
     test_layer_norm_and_act();
     test_upload_conversion();
     test_pool();
