@@ -261,7 +261,6 @@ engine_status engine_submit(engine *e, const int32_t *prompt, int n_prompt, cons
         seq_free(s);
         return st;
     }
-    s->smp = NULL; /* created by the engine thread when admitted */
     *out = s;
     return ENGINE_OK;
 }
