@@ -1,0 +1,248 @@
+/* metrics: Prometheus exposition for /metrics. See metrics.h. */
+#include "server/metrics.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server/api_json.h"
+
+/* vLLM's bucket boundaries (vllm/v1/metrics/loggers.py). */
+static const double ttft_buckets[] = {0.001, 0.005, 0.01, 0.02,  0.04,  0.06,  0.08, 0.1,
+                                      0.25,  0.5,   0.75, 1.0,   2.5,   5.0,   7.5,  10.0,
+                                      20.0,  40.0,  80.0, 160.0, 640.0, 2560.0};
+static const double itl_buckets[] = {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,  0.3,  0.4, 0.5,
+                                     0.75, 1.0,   2.5,  5.0,   7.5, 10.0, 20.0, 40.0, 80.0};
+static const double latency_buckets[] = {0.3,  0.5,   0.8,   1.0,   1.5,   2.0,    2.5,
+                                         5.0,  10.0,  15.0,  20.0,  30.0,  40.0,   50.0,
+                                         60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0};
+#define N_OF(a) ((int)(sizeof(a) / sizeof((a)[0])))
+#define MAX_BUCKETS 40
+
+typedef struct histogram {
+    const char *name, *help;
+    const double *bounds;
+    int n_bounds;
+    uint64_t counts[MAX_BUCKETS + 1]; /* per bucket, not cumulative; last is +Inf */
+    double sum;
+    uint64_t count;
+} histogram;
+
+enum { H_TTFT, H_ITL, H_TPOT, H_E2E, H_QUEUE, H_PROMPT, H_GEN, H_COUNT };
+#define N_REASONS 4 /* stop, length, abort, error */
+
+struct metrics {
+    pthread_mutex_t mu;
+    char *labels; /* model_name="...",engine="0" */
+    double token_buckets[MAX_BUCKETS];
+    histogram h[H_COUNT];
+    unsigned long long success[N_REASONS];
+};
+
+static const char *reason_names[N_REASONS] = {"stop", "length", "abort", "error"};
+
+static int reason_index(finish_reason r) {
+    switch (r) {
+    case FINISH_STOP:
+        return 0;
+    case FINISH_LENGTH:
+        return 1;
+    case FINISH_ABORT:
+        return 2;
+    default:
+        return 3;
+    }
+}
+
+/* 1, 2, 5, 10, 20, 50, ... up to max (vLLM's build_1_2_5_buckets). */
+static int build_1_2_5(double *out, int cap, int max) {
+    int n = 0;
+    for (double mag = 1; n < cap; mag *= 10) {
+        const double steps[3] = {1, 2, 5};
+        for (int i = 0; i < 3 && n < cap; i++) {
+            if (steps[i] * mag > max) return n;
+            out[n++] = steps[i] * mag;
+        }
+    }
+    return n;
+}
+
+static void hist_init(histogram *h, const char *name, const char *help, const double *bounds,
+                      int n) {
+    memset(h, 0, sizeof *h);
+    h->name = name;
+    h->help = help;
+    h->bounds = bounds;
+    h->n_bounds = n;
+}
+
+static void hist_observe(histogram *h, double v) {
+    int i = 0;
+    while (i < h->n_bounds && v > h->bounds[i])
+        i++;
+    h->counts[i]++;
+    h->sum += v;
+    h->count++;
+}
+
+metrics *metrics_create(const char *model_name, int max_model_len) {
+    metrics *m = calloc(1, sizeof *m);
+    if (!m) return NULL;
+    jbuf b;
+    jb_init(&b);
+    jb_puts(&b, "model_name=\"");
+    for (const char *p = model_name; *p; p++) { /* label value escaping */
+        if (*p == '\\' || *p == '"') jb_raw(&b, "\\", 1);
+        if (*p == '\n')
+            jb_puts(&b, "\\n");
+        else
+            jb_raw(&b, p, 1);
+    }
+    jb_puts(&b, "\",engine=\"0\"");
+    m->labels = jb_take(&b, NULL);
+    if (!m->labels) {
+        free(m);
+        return NULL;
+    }
+    pthread_mutex_init(&m->mu, NULL);
+    int nt = build_1_2_5(m->token_buckets, MAX_BUCKETS, max_model_len > 0 ? max_model_len : 1);
+    hist_init(&m->h[H_TTFT], "vllm:time_to_first_token_seconds",
+              "Histogram of time to first token in seconds.", ttft_buckets, N_OF(ttft_buckets));
+    hist_init(&m->h[H_ITL], "vllm:inter_token_latency_seconds",
+              "Histogram of inter-token latency in seconds.", itl_buckets, N_OF(itl_buckets));
+    hist_init(&m->h[H_TPOT], "vllm:request_time_per_output_token_seconds",
+              "Histogram of time_per_output_token_seconds per request.", itl_buckets,
+              N_OF(itl_buckets));
+    hist_init(&m->h[H_E2E], "vllm:e2e_request_latency_seconds",
+              "Histogram of e2e request latency in seconds.", latency_buckets,
+              N_OF(latency_buckets));
+    hist_init(&m->h[H_QUEUE], "vllm:request_queue_time_seconds",
+              "Histogram of time spent in WAITING phase for request.", latency_buckets,
+              N_OF(latency_buckets));
+    hist_init(&m->h[H_PROMPT], "vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+              m->token_buckets, nt);
+    hist_init(&m->h[H_GEN], "vllm:request_generation_tokens",
+              "Number of generation tokens processed.", m->token_buckets, nt);
+    return m;
+}
+
+void metrics_free(metrics *m) {
+    if (!m) return;
+    pthread_mutex_destroy(&m->mu);
+    free(m->labels);
+    free(m);
+}
+
+void metrics_observe(metrics *m, const metrics_request *r) {
+    pthread_mutex_lock(&m->mu);
+    m->success[reason_index(r->reason)]++;
+    hist_observe(&m->h[H_PROMPT], r->prompt_tokens);
+    hist_observe(&m->h[H_GEN], r->generation_tokens);
+    if (r->queue_time >= 0) hist_observe(&m->h[H_QUEUE], r->queue_time);
+    if (r->ttft >= 0) hist_observe(&m->h[H_TTFT], r->ttft);
+    if (r->e2e >= 0) hist_observe(&m->h[H_E2E], r->e2e);
+    if (r->tpot >= 0) hist_observe(&m->h[H_TPOT], r->tpot);
+    for (int i = 0; i < r->n_itl; i++)
+        hist_observe(&m->h[H_ITL], r->itl[i]);
+    pthread_mutex_unlock(&m->mu);
+}
+
+unsigned long long metrics_finished(metrics *m, finish_reason r) {
+    pthread_mutex_lock(&m->mu);
+    unsigned long long v = m->success[reason_index(r)];
+    pthread_mutex_unlock(&m->mu);
+    return v;
+}
+
+/* Numbers as prometheus_client prints them: floats with a decimal point. */
+static void prom_num(jbuf *b, double v) {
+    if (isinf(v))
+        jb_puts(b, v > 0 ? "+Inf" : "-Inf");
+    else if (isnan(v))
+        jb_puts(b, "NaN");
+    else if (v == floor(v) && fabs(v) < 1e15)
+        jb_printf(b, "%.1f", v);
+    else
+        jb_printf(b, "%.17g", v);
+}
+
+static void head(jbuf *b, const char *name, const char *type, const char *help) {
+    jb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void sample(jbuf *b, const metrics *m, const char *name, const char *type, const char *help,
+                   double v) {
+    head(b, name, type, help);
+    jb_printf(b, "%s{%s} ", name, m->labels);
+    prom_num(b, v);
+    jb_puts(b, "\n");
+}
+
+static void hist_write(jbuf *b, const metrics *m, const histogram *h) {
+    head(b, h->name, "histogram", h->help);
+    uint64_t cum = 0;
+    for (int i = 0; i <= h->n_bounds; i++) {
+        cum += h->counts[i];
+        jb_printf(b, "%s_bucket{%s,le=\"", h->name, m->labels);
+        prom_num(b, i < h->n_bounds ? h->bounds[i] : INFINITY);
+        jb_puts(b, "\"} ");
+        prom_num(b, (double)cum);
+        jb_puts(b, "\n");
+    }
+    jb_printf(b, "%s_count{%s} ", h->name, m->labels);
+    prom_num(b, (double)h->count);
+    jb_printf(b, "\n%s_sum{%s} ", h->name, m->labels);
+    prom_num(b, h->sum);
+    jb_puts(b, "\n");
+}
+
+char *metrics_render(metrics *m, const engine_stats *st, size_t *len) {
+    jbuf b;
+    jb_init(&b);
+    if (st) {
+        sample(&b, m, "vllm:num_requests_running", "gauge",
+               "Number of requests in model execution batches.", st->running);
+        sample(&b, m, "vllm:num_requests_waiting", "gauge",
+               "Number of requests waiting to be processed.", st->waiting);
+        sample(&b, m, "vllm:kv_cache_usage_perc", "gauge",
+               "KV-cache usage. 1 means 100 percent usage.", st->kv_usage);
+        sample(&b, m, "vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+               (double)st->prompt_tokens);
+        sample(&b, m, "vllm:generation_tokens_total", "counter",
+               "Number of generation tokens processed.", (double)st->generation_tokens);
+        sample(&b, m, "vllm:prefix_cache_queries_total", "counter",
+               "Prefix cache queries, in terms of number of queried tokens.",
+               (double)st->prefix_queries);
+        sample(&b, m, "vllm:prefix_cache_hits_total", "counter",
+               "Prefix cache hits, in terms of number of cached tokens.", (double)st->prefix_hits);
+        sample(&b, m, "vllm:num_preemptions_total", "counter",
+               "Cumulative number of preemption from the engine.", (double)st->preemptions);
+        sample(&b, m, "pdserve:prompt_tokens_computed_total", "counter",
+               "Prompt tokens run through the model (not from the prefix cache or a remote "
+               "prefill).",
+               (double)st->prompt_tokens_computed);
+        sample(&b, m, "pdserve:engine_steps_total", "counter", "Engine steps (forward passes).",
+               (double)st->steps);
+        sample(&b, m, "pdserve:engine_step_tokens_total", "counter",
+               "Tokens run through the model in all engine steps.", (double)st->step_tokens);
+        sample(&b, m, "pdserve:kv_cache_free_blocks", "gauge", "KV-cache blocks not in use.",
+               st->free_blocks);
+        sample(&b, m, "pdserve:kv_cache_total_blocks", "gauge", "KV-cache blocks in all.",
+               st->total_blocks);
+    }
+    pthread_mutex_lock(&m->mu);
+    head(&b, "vllm:request_success_total", "counter", "Count of successfully processed requests.");
+    for (int i = 0; i < N_REASONS; i++) {
+        jb_printf(&b, "vllm:request_success_total{%s,finished_reason=\"%s\"} ", m->labels,
+                  reason_names[i]);
+        prom_num(&b, (double)m->success[i]);
+        jb_puts(&b, "\n");
+    }
+    for (int i = 0; i < H_COUNT; i++)
+        hist_write(&b, m, &m->h[i]);
+    pthread_mutex_unlock(&m->mu);
+    return jb_take(&b, len);
+}

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# test_http: the HTTP API end to end. Starts real `pdserve serve` processes on
+# the tiny built-in model (an ordinary one, one with --api-key, one with a
+# tiny KV budget, one with a one-request queue), runs the Node suites in
+# tests/server (OpenAI SDK, raw HTTP, bad-input corpus, serving behaviour)
+# against them, and checks that SIGTERM stops a server cleanly (exit 0).
+# Installs the `openai` npm package into tests/server/node_modules if missing.
+set -u
+bin=${PDSERVE_BIN:?}
+src=${PDSERVE_SRC:-$(cd "$(dirname "$0")/../.." && pwd)}
+dir="$src/tests/server"
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  echo "SKIP: node/npm not installed"; exit 0
+fi
+if [ ! -d "$dir/node_modules/openai" ]; then
+  (cd "$dir" && npm install --no-audit --no-fund --no-package-lock --silent) || { echo "FAIL: npm install"; exit 1; }
+fi
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
+  wait 2>/dev/null
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+"$bin" make-model "$tmp/model" --preset tiny --seed 1 >/dev/null 2>"$tmp/mm.err" || { cat "$tmp/mm.err"; exit 1; }
+
+# start NAME ARGS...: a server on a free port; sets URL_NAME from its log line.
+start() {
+  local name=$1; shift
+  "$bin" serve "$tmp/model" --host 127.0.0.1 --port 0 --log-level info "$@" >"$tmp/$name.log" 2>&1 &
+  pids+=($!)
+  local port=""
+  for _ in $(seq 1 300); do
+    port=$(sed -n 's/.* on http:\/\/[^:]*:\([0-9]*\) .*/\1/p' "$tmp/$name.log" | head -1)
+    [ -n "$port" ] && break
+    kill -0 "${pids[-1]}" 2>/dev/null || break
+    sleep 0.1
+  done
+  if [ -z "$port" ]; then echo "FAIL: server $name did not start:"; cat "$tmp/$name.log"; exit 1; fi
+  printf -v "URL_$name" 'http://127.0.0.1:%s' "$port"
+}
+
+start main --served-model-name tiny tiny-alias
+start auth --served-model-name tiny --api-key test-key
+start small --served-model-name tiny --num-gpu-blocks-override 16 --block-size 16
+start busy --served-model-name tiny --max-waiting 1 --max-num-seqs 1
+
+export PD_URL_MAIN=$URL_main PD_URL_AUTH=$URL_auth PD_URL_SMALL=$URL_small PD_URL_BUSY=$URL_busy
+export PD_MODEL_NAME=tiny PD_API_KEY=test-key
+fail=0
+node "$dir/run.js" "$@" || fail=1
+
+# Clean shutdown: SIGTERM -> drain -> exit status 0.
+kill -TERM "${pids[0]}"
+if wait "${pids[0]}"; then echo "ok: SIGTERM exit 0"; else echo "FAIL: exit status $? after SIGTERM"; fail=1; fi
+grep -q "stopped" "$tmp/main.log" || { echo "FAIL: no 'stopped' line"; fail=1; }
+# Bad flags: exit 2 naming the flag.
+"$bin" serve "$tmp/model" --no-such-flag 1 >/dev/null 2>"$tmp/flag.err"; rc=$?
+[ $rc -eq 2 ] && grep -q -- "--no-such-flag" "$tmp/flag.err" || { echo "FAIL: unknown flag (rc $rc): $(cat "$tmp/flag.err")"; fail=1; }
+maxpos=$(node -e 'console.log(require(process.argv[1]).max_position_embeddings)' "$tmp/model/config.json")
+"$bin" serve "$tmp/model" --max-model-len 100000 >/dev/null 2>"$tmp/mml.err"; rc=$?
+[ $rc -eq 2 ] && grep -q "100000" "$tmp/mml.err" && grep -q "$maxpos" "$tmp/mml.err" || { echo "FAIL: --max-model-len too big (rc $rc): $(cat "$tmp/mml.err")"; fail=1; }
+"$bin" serve "$tmp/model" --kv-transfer-config '{"kv_connector":"P2pNcclConnector","kv_role":"nope"}' >/dev/null 2>"$tmp/kv.err"; rc=$?
+[ $rc -eq 2 ] && grep -q "kv_role" "$tmp/kv.err" || { echo "FAIL: bad --kv-transfer-config (rc $rc): $(cat "$tmp/kv.err")"; fail=1; }
+if [ $fail -ne 0 ]; then
+  for n in main auth small busy; do echo "--- $n log (tail)"; tail -5 "$tmp/$n.log"; done
+fi
+exit $fail
