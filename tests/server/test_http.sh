@@ -44,7 +44,7 @@ start() {
 
 start main --served-model-name tiny tiny-alias
 start auth --served-model-name tiny --api-key test-key
-start small --served-model-name tiny --num-gpu-blocks-override 16 --block-size 16
+start small --served-model-name tiny --num-gpu-blocks-override 16 --block-size 16 --max-model-len 256
 start busy --served-model-name tiny --max-waiting 1 --max-num-seqs 1
 
 export PD_URL_MAIN=$URL_main PD_URL_AUTH=$URL_auth PD_URL_SMALL=$URL_small PD_URL_BUSY=$URL_busy
