@@ -258,6 +258,7 @@ int http_server_start(const http_config *cfg, engine *e, metrics *m, http_server
         ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 16);
     atomic_init(&s->ctx.next_id, 1);
     atomic_init(&s->ctx.active, 0);
+    atomic_init(&s->ctx.longest_token, 0);
     atomic_init(&s->ctx.draining, false);
     atomic_init(&s->ctx.hard_stop, false);
 

@@ -59,6 +59,7 @@ typedef struct http_ctx {
     uint64_t id_salt;
     atomic_uint_fast64_t next_id;
     atomic_int active;
+    atomic_int longest_token; /* bytes of the longest vocabulary entry; 0: not known yet */
     atomic_bool draining, hard_stop;
 } http_ctx;
 

@@ -303,6 +303,20 @@ static long long completion_tokens(const comp_run *r) {
 
 /* ---- setup -------------------------------------------------------------- */
 
+/* Bytes in the longest vocabulary entry (computed once per server). */
+static size_t longest_token_bytes(http_ctx *ctx, const tokenizer *tok) {
+    int v = atomic_load(&ctx->longest_token);
+    if (v > 0) return (size_t)v;
+    size_t best = 1;
+    int n = tokenizer_vocab_size(tok);
+    for (int id = 0; id < n; id++) {
+        size_t len = 0;
+        if (tokenizer_token_bytes(tok, id, &len) && len > best) best = len;
+    }
+    atomic_store(&ctx->longest_token, (int)best);
+    return best;
+}
+
 static int run_prepare(comp_run *r, api_error *e) {
     completion_request *q = &r->req;
     const opt_config *mc = engine_model_config(r->ctx->eng);
@@ -311,10 +325,21 @@ static int run_prepare(comp_run *r, api_error *e) {
     r->eos = tokenizer_eos_id(r->tok);
     r->prompts = calloc((size_t)q->n_prompts, sizeof(prompt_ids));
     if (!r->prompts) return api_fail(e, 500, NULL, "out of memory");
+    size_t longest = longest_token_bytes(r->ctx, r->tok);
     for (int i = 0; i < q->n_prompts; i++) {
         api_prompt *p = &q->prompts[i];
         prompt_ids *d = &r->prompts[i];
         if (p->text) {
+            /* Tokenizing megabytes only to learn they are too long is wasted
+             * work (and slow for BPE on long runs): no token is longer than
+             * the longest vocabulary entry, which bounds the count from below. */
+            size_t at_least = (p->text_len + longest - 1) / longest;
+            if (at_least >= (size_t)max_len)
+                return api_fail(e, 400, "prompt",
+                                "This model's maximum context length is %d tokens. However, your "
+                                "request has at least %zu input tokens. Please reduce the length "
+                                "of the input messages.",
+                                max_len, at_least);
             pd_err err;
             if (tokenizer_encode(r->tok, p->text, p->text_len, q->add_special_tokens, &d->ids,
                                  &d->n, &err) != 0)
