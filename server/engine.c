@@ -248,8 +248,11 @@ engine_status engine_submit(engine *e, const int32_t *prompt, int n_prompt, cons
         st = ENGINE_BUSY;
         pd_fail(err, "the server is busy: %d requests are waiting (--max-waiting)", e->n_inbox + e->stats.waiting);
     } else {
-        uint64_t n = e->request_counter++;
-        if (!p->sampling.has_seed && p->fallback_seed == 0) s->params.fallback_seed = e->cfg.seed * 1000003u + n;
+        /* Requests without a seed still get a stream that depends on --seed
+         * and on which request this is (the caller's counter, or ours). */
+        uint64_t n = p->fallback_seed ? p->fallback_seed : e->request_counter;
+        e->request_counter++;
+        s->params.fallback_seed = (e->cfg.seed + 1) * 0x9E3779B97F4A7C15ull ^ n;
         if (e->inbox_tail) e->inbox_tail->next = s;
         else e->inbox_head = s;
         e->inbox_tail = s;
