@@ -50,6 +50,7 @@ struct engine {
     tokenizer *tok;
     kv_block_pool *pool;
     scheduler *sched;
+    kv_connector *conn; /* NULL when colocated */
     int max_model_len;
     int vocab;
     int eos_id;
@@ -148,6 +149,21 @@ finish_reason engine_seq_finish(engine_seq *s) {
 
 const char *engine_seq_error(engine_seq *s) { return s->error; }
 
+int engine_seq_error_status(engine_seq *s) {
+    pthread_mutex_lock(&s->mu);
+    int st = s->error_status ? s->error_status : 500;
+    pthread_mutex_unlock(&s->mu);
+    return st;
+}
+
+bool engine_seq_kv_transfer_params(engine_seq *s, char *buf, size_t cap) {
+    pthread_mutex_lock(&s->mu);
+    bool have = s->kv_saved && s->finish != FINISH_NONE;
+    if (have) kv_save_result_json(&s->kv_result, buf, cap);
+    pthread_mutex_unlock(&s->mu);
+    return have;
+}
+
 void engine_seq_times_get(engine_seq *s, engine_seq_times *t) {
     pthread_mutex_lock(&s->mu);
     *t = s->times;
@@ -181,6 +197,14 @@ void engine_seq_mark_finished(engine_seq *s, finish_reason r, const char *error)
     }
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
+}
+
+/* Finish with an error and the HTTP status it should surface as. */
+void engine_seq_mark_failed(engine_seq *s, int http_status, const char *error) {
+    pthread_mutex_lock(&s->mu);
+    if (s->finish == FINISH_NONE) s->error_status = http_status;
+    pthread_mutex_unlock(&s->mu);
+    engine_seq_mark_finished(s, FINISH_ERROR, error);
 }
 
 /* ---- submission ---- */
@@ -232,6 +256,17 @@ engine_status engine_submit(engine *e, const int32_t *prompt, int n_prompt, cons
     memcpy(s->tokens, prompt, sizeof(int32_t) * (size_t)n_prompt);
     s->n_prompt = s->n_tokens = n_prompt;
     s->params = *p;
+    /* kv_transfer_params this instance cannot act on are ignored: a
+     * colocated or misrouted request simply computes its prompt here. */
+    if (p->kv.present) {
+        bool use = e->conn && ((p->kv.do_remote_decode && kv_connector_is_producer(e->conn)) ||
+                               (p->kv.do_remote_prefill && kv_connector_is_consumer(e->conn)));
+        if (!use) {
+            pd_log(PD_LOG_DEBUG, "request %s: kv_transfer_params not used here (%s); computing the prompt locally",
+                   request_id ? request_id : "", e->conn ? kv_role_name(kv_connector_config(e->conn)->role) : "no connector");
+            memset(&s->params.kv, 0, sizeof s->params.kv);
+        }
+    }
     s->params.stop_token_ids = s->stop_ids;
     s->engine = e;
     snprintf(s->id, sizeof s->id, "%s", request_id ? request_id : "");
@@ -310,6 +345,23 @@ static void engine_admit_inbox(engine *e, engine_seq *list) {
         engine_seq *next = list->next;
         list->next = NULL;
         list->smp = sampler_create(&list->params.sampling, e->vocab, list->params.fallback_seed);
+        pd_err err = {{0}};
+        if (list->smp && list->params.kv.do_remote_prefill) {
+            /* Decode side of a remote prefill: start receiving its KV. A
+             * 1-token prompt has nothing to load; the load is ended at once,
+             * which tells the producer to drop its copy. */
+            if (kv_connector_load_begin(e->conn, &list->params.kv, list->n_prompt, list->id, &list->kv_load, &err) != 0) {
+                pd_log(PD_LOG_ERROR, "request %s: %s", list->id, err.msg);
+                engine_seq_mark_failed(list, 502, err.msg);
+                engine_seq_unref(list);
+                list = next;
+                continue;
+            }
+            if (list->n_prompt == 1) {
+                kv_connector_load_end(e->conn, list->kv_load);
+                list->kv_load = NULL;
+            }
+        }
         if (!list->smp) {
             engine_seq_mark_finished(list, FINISH_ERROR, "out of memory");
             engine_seq_unref(list);
@@ -363,6 +415,21 @@ static void engine_step(engine *e, const sched_batch *b) {
         int prompt_end = st->start_pos + st->n_tokens < s->n_prompt ? st->start_pos + st->n_tokens : s->n_prompt;
         if (prompt_end > st->start_pos) e->work.prompt_tokens_computed += (uint64_t)(prompt_end - st->start_pos);
         scheduler_computed(e->sched, s, st->n_tokens);
+        if (s->params.kv.do_remote_decode && !s->kv_saved && s->n_computed >= s->n_prompt) {
+            /* Prefill side: the prompt's KV is complete; ship it before the
+             * response (with its kv_transfer_params) can go out. */
+            kv_save_result res;
+            if (kv_connector_save(e->conn, &s->params.kv, s->blocks.ids, s->n_prompt, s->id, &res, &err) != 0) {
+                pd_log(PD_LOG_ERROR, "request %s: %s", s->id, err.msg);
+                s->error_status = 502;
+                scheduler_finish(e->sched, s, FINISH_ERROR, err.msg);
+                continue;
+            }
+            pthread_mutex_lock(&s->mu);
+            s->kv_result = res;
+            s->kv_saved = true;
+            pthread_mutex_unlock(&s->mu);
+        }
         if (!st->want_logits) continue;
         finish_reason r = engine_sample(e, s, e->logits + (size_t)row++ * e->vocab);
         e->work.generation_tokens++;
@@ -385,12 +452,26 @@ static void *engine_loop(void *arg) {
         engine_admit_inbox(e, list);
         if (stop) break;
         scheduler_reap_aborted(e->sched);
+        int remote_pending = scheduler_poll_remote(e->sched);
         if (scheduler_schedule(e->sched, &batch) != 0) {
             engine_publish_stats(e);
             continue;
         }
         if (batch.n > 0) engine_step(e, &batch);
         engine_publish_stats(e);
+        if (batch.n == 0 && remote_pending > 0) {
+            /* Only requests waiting for remote KV: look again in a moment
+             * (or as soon as a new request arrives). */
+            pthread_mutex_lock(&e->mu);
+            if (!e->inbox_head && !e->stopping) {
+                struct timespec ts;
+                clock_gettime(CLOCK_REALTIME, &ts);
+                ts.tv_nsec += 1000000L;
+                if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+                pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            }
+            pthread_mutex_unlock(&e->mu);
+        }
     }
     scheduler_abort_all(e->sched);
     engine_publish_stats(e);
@@ -431,9 +512,12 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     }
     if (kv_pool_create(n_blocks, bs, &e->pool, err) != 0) goto fail;
     if (opt_kv_storage_create(e->model, n_blocks, bs, &e->kv, err) != 0) goto fail;
+    if (cfg->kv_transfer &&
+        kv_connector_create(cfg->kv_transfer, e->model, e->kv, e->be, cfg->http_port, &e->conn, err) != 0)
+        goto fail;
     scheduler_config sc = {cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->enable_prefix_caching,
                            e->max_model_len};
-    if (scheduler_create(&sc, e->pool, &e->work, &e->sched, err) != 0) goto fail;
+    if (scheduler_create(&sc, e->pool, e->conn, &e->work, &e->sched, err) != 0) goto fail;
     pd_log(PD_LOG_INFO, "engine: %d KV blocks of %d tokens (%.1f MB, %d tokens), max_model_len %d, max_num_seqs %d, "
            "max_num_batched_tokens %d, prefix caching %s", n_blocks, bs, (double)block_bytes * n_blocks / 1e6,
            n_blocks * bs, e->max_model_len, cfg->max_num_seqs, cfg->max_num_batched_tokens,
@@ -464,7 +548,8 @@ void engine_destroy(engine *e) {
         engine_seq_mark_finished(s, FINISH_ABORT, "the server is shutting down");
         engine_seq_unref(s);
     }
-    scheduler_destroy(e->sched);
+    scheduler_destroy(e->sched); /* ends pending KV loads: needs the connector */
+    kv_connector_destroy(e->conn);
     kv_pool_destroy(e->pool);
     opt_kv_storage_free(e->kv);
     opt_model_free(e->model);
@@ -481,10 +566,13 @@ const opt_config *engine_model_config(const engine *e) { return opt_model_config
 int engine_max_model_len(const engine *e) { return e->max_model_len; }
 int engine_num_blocks(const engine *e) { return kv_pool_num_blocks(e->pool); }
 int engine_block_size(const engine *e) { return e->cfg.block_size; }
+kv_connector *engine_connector(const engine *e) { return e->conn; }
 
 void engine_stats_get(engine *e, engine_stats *out) {
     pthread_mutex_lock(&e->mu);
     *out = e->stats;
     out->waiting += e->n_inbox;
     pthread_mutex_unlock(&e->mu);
+    out->has_connector = e->conn != NULL;
+    if (e->conn) kv_connector_stats_get(e->conn, &out->kv);
 }

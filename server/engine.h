@@ -19,6 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "connector/connector.h"
 #include "model/config.h"
 #include "model/sampler.h"
 #include "model/tokenizer.h"
@@ -37,6 +38,8 @@ typedef struct engine_config {
     uint64_t seed;              /* base seed for requests without one */
     int threads;                /* backend threads (0: one per core) */
     int max_waiting;            /* waiting-queue bound; beyond it submit says "busy" */
+    const kv_transfer_config *kv_transfer; /* NULL: colocated; else prefill/decode role */
+    int http_port;              /* advertised to the proxy */
 } engine_config;
 
 void engine_config_default(engine_config *c);
@@ -54,6 +57,8 @@ const opt_config *engine_model_config(const engine *e);
 int engine_max_model_len(const engine *e);
 int engine_num_blocks(const engine *e);
 int engine_block_size(const engine *e);
+/* The KV connector, or NULL for a colocated instance. */
+kv_connector *engine_connector(const engine *e);
 
 typedef enum {
     FINISH_NONE = 0, /* still running */
@@ -74,6 +79,7 @@ typedef struct engine_request_params {
     int n_stop_token_ids;
     int logprobs;       /* -1: none; 0..ENGINE_MAX_LOGPROBS: chosen token + top-n */
     uint64_t fallback_seed; /* used when sampling.has_seed is false */
+    kv_request_params kv;   /* the request's kv_transfer_params (disaggregation) */
 } engine_request_params;
 
 void engine_request_params_default(engine_request_params *p);
@@ -103,6 +109,10 @@ int engine_seq_wait(engine_seq *s, int known, int timeout_ms);
 int engine_seq_read(engine_seq *s, int from, int max, engine_token *buf, int32_t *top_ids, float *top_lps);
 finish_reason engine_seq_finish(engine_seq *s);
 const char *engine_seq_error(engine_seq *s); /* message for FINISH_ERROR */
+int engine_seq_error_status(engine_seq *s);  /* HTTP status for FINISH_ERROR (500, 504, ...) */
+/* After the request finished on a producer: the response's kv_transfer_params
+ * (JSON object text) in buf; false when there are none. */
+bool engine_seq_kv_transfer_params(engine_seq *s, char *buf, size_t cap);
 /* Request an abort (client gone, stop string matched). Blocks are freed
  * within one engine step. Safe to call more than once. */
 void engine_seq_abort(engine_seq *s);
@@ -112,6 +122,7 @@ void engine_seq_release(engine_seq *s);
 typedef struct engine_seq_times {
     double arrival, scheduled, first_token, finished;
     int n_prompt, n_cached; /* prompt tokens, and how many came from the prefix cache */
+    int n_remote;           /* prompt tokens whose KV came from a remote prefill */
 } engine_seq_times;
 void engine_seq_times_get(engine_seq *s, engine_seq_times *t);
 
@@ -124,6 +135,8 @@ typedef struct engine_stats {
     uint64_t preemptions;
     uint64_t steps, step_tokens;
     int free_blocks, total_blocks;
+    bool has_connector;
+    kv_connector_stats kv; /* KV transfer counters when has_connector */
 } engine_stats;
 void engine_stats_get(engine *e, engine_stats *out);
 

@@ -21,8 +21,11 @@ struct engine_seq {
     int32_t *top_ids;       /* [max_tokens][logprobs] when logprobs > 0 */
     float *top_lps;
     finish_reason finish;
-    char error[256];
+    char error[512];
+    int error_status; /* HTTP status for FINISH_ERROR */
     engine_seq_times times;
+    bool kv_saved;          /* producer: KV sent; kv_result is the response's kv_transfer_params */
+    kv_save_result kv_result;
 
     /* --- set by the consumer, read by the engine --- */
     atomic_int abort_requested;
@@ -40,12 +43,15 @@ struct engine_seq {
     kv_block_table blocks;
     sampler *smp;
     seq_state state;
+    kv_load *kv_load;     /* consumer: the remote prefill's KV being received */
+    bool kv_ready;        /* kv_load has everything: admit and skip the prompt */
     uint64_t arrival_order; /* for oldest-first scheduling and newest-first preemption */
     struct engine_seq *next; /* inbox link */
 };
 
 /* Engine-thread helpers shared with the scheduler. */
 void engine_seq_mark_finished(engine_seq *s, finish_reason r, const char *error);
+void engine_seq_mark_failed(engine_seq *s, int http_status, const char *error);
 void engine_seq_unref(engine_seq *s);
 
 #endif

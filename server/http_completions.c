@@ -101,9 +101,10 @@ static void choice_record(comp_run *r, choice *c) {
     metrics_observe(r->ctx->met, &mr);
     const char *names[] = {"none", "stop", "length", "abort", "error"};
     pd_log(PD_LOG_INFO,
-           "request %s-%d: prompt %d tokens (%d cached), output %d tokens, ttft %.1f ms, "
-           "tpot %.2f ms, finish %s",
-           r->id, c->index, r->prompts[c->prompt].n, t.n_cached, n_gen,
+           "request %s-%d: prompt %d tokens (%d cached, %d from a remote prefill, %d computed), output %d tokens, "
+           "ttft %.1f ms, tpot %.2f ms, finish %s",
+           r->id, c->index, r->prompts[c->prompt].n, t.n_cached, t.n_remote,
+           r->prompts[c->prompt].n - t.n_cached - t.n_remote, n_gen,
            ttft >= 0 ? ttft * 1e3 : 0.0, tpot >= 0 ? tpot * 1e3 : 0.0,
            c->stop_kind == STOP_REASON_STR ? "stop (string)" : names[reason]);
     free(gaps);
@@ -400,6 +401,14 @@ static int run_submit(comp_run *r, api_error *e) {
     pd_err err;
     if (sampling_params_validate(&p.sampling, &err) != 0)
         return api_fail(e, 400, NULL, "%s", err.msg);
+    if (kv_request_params_parse(q->kv_transfer_params, &p.kv, &err) != 0)
+        return api_fail(e, 400, "kv_transfer_params", "%s", err.msg);
+    if (p.kv.present && engine_connector(r->ctx->eng) && (p.kv.do_remote_decode || p.kv.do_remote_prefill) &&
+        !p.kv.remote_kv_addr[0])
+        return api_fail(e, 400, "kv_transfer_params", "kv_transfer_params.remote_kv_addr is required");
+    if (p.kv.present && r->n_ch > 1 && engine_connector(r->ctx->eng))
+        return api_fail(e, 400, "kv_transfer_params",
+                        "kv_transfer_params needs a single prompt and n=1 (got %d choices)", r->n_ch);
     for (int i = 0; i < r->n_ch; i++) {
         choice *c = &r->ch[i];
         c->prompt = i / q->n;
@@ -447,7 +456,7 @@ static void reply_full(comp_run *r, http_reply *out) {
         choice *c = &r->ch[i];
         if (c->fin == FINISH_ERROR) {
             api_error e;
-            api_fail(&e, 500, NULL, "generation failed: %s",
+            api_fail(&e, c->seq ? engine_seq_error_status(c->seq) : 500, NULL, "generation failed: %s",
                      c->seq ? engine_seq_error(c->seq) : "unknown error");
             free(views);
             free(texts);
@@ -461,9 +470,14 @@ static void reply_full(comp_run *r, http_reply *out) {
         views[i].text = texts[i].data;
         views[i].text_len = texts[i].len;
     }
+    /* A prefill instance answers with the kv_transfer_params the decode
+     * instance needs; otherwise null, as vLLM without a connector. */
+    char kv_params[512];
+    bool have_kv = r->n_ch == 1 && r->ch[0].seq &&
+                   engine_seq_kv_transfer_params(r->ch[0].seq, kv_params, sizeof kv_params);
     size_t len;
     char *body = completion_response_json(&r->meta, views, r->n_ch, r->prompt_tokens,
-                                          completion_tokens(r), r->req.kv_transfer_params, &len);
+                                          completion_tokens(r), have_kv ? kv_params : NULL, &len);
     for (int i = 0; i < r->n_ch; i++)
         jb_free(&texts[i]);
     free(views);
@@ -491,7 +505,8 @@ static void stream_collect(comp_run *r) {
         if (c->fin == FINISH_ERROR && c->done) {
             if (!r->error_sent) {
                 api_error e;
-                api_fail(&e, 500, NULL, "generation failed: %s", engine_seq_error(c->seq));
+                api_fail(&e, engine_seq_error_status(c->seq), NULL, "generation failed: %s",
+                         engine_seq_error(c->seq));
                 emit(r, api_error_sse(&e, NULL));
                 r->error_sent = true;
             }

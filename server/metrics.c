@@ -199,6 +199,37 @@ static void hist_write(jbuf *b, const metrics *m, const histogram *h) {
     jb_puts(b, "\n");
 }
 
+/* A counter with a result="ok"/"failed" label pair. */
+static void ok_failed(jbuf *b, const metrics *m, const char *name, const char *help, uint64_t ok, uint64_t failed) {
+    head(b, name, "counter", help);
+    jb_printf(b, "%s{%s,result=\"ok\"} ", name, m->labels);
+    prom_num(b, (double)ok);
+    jb_printf(b, "\n%s{%s,result=\"failed\"} ", name, m->labels);
+    prom_num(b, (double)failed);
+    jb_puts(b, "\n");
+}
+
+/* KV transfer (disaggregation) counters of a prefill or decode instance. */
+static void kv_metrics(jbuf *b, const metrics *m, const kv_connector_stats *kv) {
+    ok_failed(b, m, "pdserve:kv_saves_total", "Requests whose prompt KV was handed to the transfer engine (producer).",
+              kv->saves_ok, kv->saves_failed);
+    ok_failed(b, m, "pdserve:kv_loads_total", "Requests whose prompt KV was received and written into the cache (consumer).",
+              kv->loads_ok, kv->loads_failed);
+    ok_failed(b, m, "pdserve:kv_sends_total", "Tensors delivered to (or pulled by) a peer.", kv->sends_ok, kv->sends_failed);
+    ok_failed(b, m, "pdserve:kv_receives_total", "Tensors received from a peer.", kv->recvs_ok, kv->recvs_failed);
+    sample(b, m, "pdserve:kv_bytes_sent_total", "counter", "KV bytes sent to peers.", (double)kv->bytes_sent);
+    sample(b, m, "pdserve:kv_bytes_received_total", "counter", "KV bytes received from peers.", (double)kv->bytes_received);
+    sample(b, m, "pdserve:kv_send_retries_total", "counter", "PUT retries after a peer had no room.", (double)kv->retries);
+    sample(b, m, "pdserve:kv_aborts_total", "counter", "Transfers given up by the consumer (ABORT).", (double)kv->aborts);
+    sample(b, m, "pdserve:kv_buffered_bytes", "gauge",
+           "Bytes of KV held by the transfer engine: received and not yet written, or waiting to be sent/pulled.",
+           (double)kv->buffered_bytes);
+    sample(b, m, "pdserve:kv_save_seconds_total", "counter", "Time spent gathering and handing over KV (producer).",
+           kv->save_seconds);
+    sample(b, m, "pdserve:kv_load_seconds_total", "counter",
+           "Time from a request's arrival to its remote KV being in the cache (consumer).", kv->load_seconds);
+}
+
 char *metrics_render(metrics *m, const engine_stats *st, size_t *len) {
     jbuf b;
     jb_init(&b);
@@ -232,6 +263,7 @@ char *metrics_render(metrics *m, const engine_stats *st, size_t *len) {
                st->free_blocks);
         sample(&b, m, "pdserve:kv_cache_total_blocks", "gauge", "KV-cache blocks in all.",
                st->total_blocks);
+        if (st->has_connector) kv_metrics(&b, m, &st->kv);
     }
     pthread_mutex_lock(&m->mu);
     head(&b, "vllm:request_success_total", "counter", "Count of successfully processed requests.");

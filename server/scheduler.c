@@ -16,6 +16,7 @@ typedef struct seq_list {
 struct scheduler {
     scheduler_config cfg;
     kv_block_pool *pool;
+    kv_connector *conn;
     engine_stats *stats;
     seq_list waiting, running;
     uint64_t next_order;
@@ -79,12 +80,13 @@ static int batch_push(sched_batch *b, engine_seq *s, int n_new) {
     return 0;
 }
 
-int scheduler_create(const scheduler_config *cfg, kv_block_pool *pool, engine_stats *stats, scheduler **out,
-                     pd_err *err) {
+int scheduler_create(const scheduler_config *cfg, kv_block_pool *pool, kv_connector *conn, engine_stats *stats,
+                     scheduler **out, pd_err *err) {
     scheduler *s = calloc(1, sizeof *s);
     if (!s) return pd_fail(err, "out of memory");
     s->cfg = *cfg;
     s->pool = pool;
+    s->conn = conn;
     s->stats = stats;
     *out = s;
     return 0;
@@ -119,6 +121,10 @@ void scheduler_finish(scheduler *s, engine_seq *seq, finish_reason r, const char
     list_remove(seq->state == SEQ_RUNNING ? &s->running : &s->waiting, seq);
     seq->state = SEQ_DONE;
     kv_table_release(s->pool, &seq->blocks);
+    if (seq->kv_load) { /* never applied: the producer is told to drop its copy */
+        kv_connector_load_end(s->conn, seq->kv_load);
+        seq->kv_load = NULL;
+    }
     engine_seq_mark_finished(seq, r, error);
     engine_seq_unref(seq);
 }
@@ -173,6 +179,27 @@ static bool reserve_running(scheduler *s, sched_batch *b, engine_seq *seq, int n
     return true;
 }
 
+int scheduler_poll_remote(scheduler *s) {
+    int pending = 0;
+    for (int i = s->waiting.n - 1; i >= 0; i--) {
+        engine_seq *seq = s->waiting.v[i];
+        if (!seq->kv_load || seq->kv_ready) continue;
+        int status = 500;
+        pd_err err = {{0}};
+        int r = kv_connector_load_poll(s->conn, seq->kv_load, &status, &err);
+        if (r > 0) {
+            seq->kv_ready = true;
+        } else if (r < 0) {
+            pd_log(PD_LOG_ERROR, "request %s: %s", seq->id, err.msg);
+            seq->error_status = status;
+            scheduler_finish(s, seq, FINISH_ERROR, err.msg);
+        } else {
+            pending++;
+        }
+    }
+    return pending;
+}
+
 int scheduler_schedule(scheduler *s, sched_batch *b) {
     b->n = 0;
     int budget = s->cfg.max_num_batched_tokens;
@@ -193,26 +220,53 @@ int scheduler_schedule(scheduler *s, sched_batch *b) {
             if (s->running.n != before) i = -1;
         }
     }
-    /* 3: admit waiting sequences in arrival order. */
-    while (s->waiting.n > 0 && budget > 0 && s->running.n < s->cfg.max_num_seqs) {
-        engine_seq *seq = s->waiting.v[0];
-        int cached = 0;
-        if (s->cfg.enable_prefix_caching && seq->n_computed == 0) {
-            /* Leave at least one token to compute so the step yields logits. */
-            cached = kv_table_match_prefix(s->pool, &seq->blocks, seq->tokens, seq->n_tokens - 1);
-            seq->n_computed = cached;
+    /* 3: admit waiting sequences in arrival order. One still waiting for a
+     * remote prefill's KV is passed over without holding up the others. */
+    for (int w = 0; w < s->waiting.n && budget > 0 && s->running.n < s->cfg.max_num_seqs;) {
+        engine_seq *seq = s->waiting.v[w];
+        if (seq->kv_load && !seq->kv_ready) {
+            w++;
+            continue;
         }
-        int pending = seq->n_tokens - seq->n_computed;
-        int n_new = pending < budget ? pending : budget;
+        int cached = 0, n_new;
         pd_err err;
-        if (kv_table_reserve(s->pool, &seq->blocks, seq->n_computed + n_new, &err) != 0) {
-            kv_table_release(s->pool, &seq->blocks); /* give back the matched prefix too */
-            seq->n_computed = 0;
-            break; /* wait for running sequences to finish */
-        }
-        if (s->cfg.enable_prefix_caching) {
-            s->stats->prefix_queries += (uint64_t)seq->n_tokens;
-            s->stats->prefix_hits += (uint64_t)cached;
+        if (seq->kv_load) {
+            /* Remote prefill: blocks for the whole prompt, its first n-1
+             * tokens' KV written from what arrived; compute the last one. */
+            if (kv_table_reserve(s->pool, &seq->blocks, seq->n_tokens, &err) != 0) break;
+            if (kv_connector_load_apply(s->conn, seq->kv_load, seq->blocks.ids, seq->n_tokens - 1, &err) != 0) {
+                pd_log(PD_LOG_ERROR, "request %s: %s", seq->id, err.msg);
+                seq->error_status = 500;
+                scheduler_finish(s, seq, FINISH_ERROR, err.msg);
+                continue;
+            }
+            kv_connector_load_end(s->conn, seq->kv_load);
+            seq->kv_load = NULL;
+            seq->n_computed = seq->n_tokens - 1;
+            cached = 0;
+            pthread_mutex_lock(&seq->mu);
+            seq->times.n_remote = seq->n_computed;
+            pthread_mutex_unlock(&seq->mu);
+            if (s->cfg.enable_prefix_caching)
+                kv_table_publish_full(s->pool, &seq->blocks, seq->tokens, seq->n_computed);
+            n_new = 1;
+        } else {
+            if (s->cfg.enable_prefix_caching && seq->n_computed == 0) {
+                /* Leave at least one token to compute so the step yields logits. */
+                cached = kv_table_match_prefix(s->pool, &seq->blocks, seq->tokens, seq->n_tokens - 1);
+                seq->n_computed = cached;
+            }
+            int pending = seq->n_tokens - seq->n_computed;
+            n_new = pending < budget ? pending : budget;
+            if (kv_table_reserve(s->pool, &seq->blocks, seq->n_computed + n_new, &err) != 0) {
+                kv_table_release(s->pool, &seq->blocks); /* give back the matched prefix too */
+                seq->n_computed = 0;
+                break; /* wait for running sequences to finish */
+            }
+            if (s->cfg.enable_prefix_caching) {
+                s->stats->prefix_queries += (uint64_t)seq->n_tokens;
+                s->stats->prefix_hits += (uint64_t)cached;
+            }
         }
         list_remove(&s->waiting, seq);
         seq->state = SEQ_RUNNING;

@@ -8,7 +8,10 @@
  *  2. running sequences still in prefill get their next prompt chunk;
  *  3. waiting sequences are admitted in arrival order: the longest cached
  *     prefix of full blocks is reused (prefix caching), the rest of the
- *     prompt is scheduled as a chunk that fits the token budget.
+ *     prompt is scheduled as a chunk that fits the token budget. A request
+ *     whose prompt KV comes from a remote prefill waits (without holding up
+ *     the others) until it has arrived; then it is admitted with that KV
+ *     written into its blocks and only its last prompt token is computed.
  * A sequence asks for logits only in the step that feeds its last pending
  * token. The scheduler owns the waiting and running lists and each
  * sequence's blocks; the engine owns sampling and publishing. */
@@ -38,8 +41,10 @@ void sched_batch_free(sched_batch *b);
 
 /* stats: the engine's counters (prefix queries/hits, preemptions) that the
  * scheduler updates. */
-int scheduler_create(const scheduler_config *cfg, kv_block_pool *pool, engine_stats *stats, scheduler **out,
-                     pd_err *err);
+/* conn: the KV connector (NULL when colocated); the scheduler writes a
+ * remote prefill's KV into the blocks it admits the request with. */
+int scheduler_create(const scheduler_config *cfg, kv_block_pool *pool, kv_connector *conn, engine_stats *stats,
+                     scheduler **out, pd_err *err);
 void scheduler_destroy(scheduler *s);
 
 /* Queue a new sequence (engine takes over the engine's reference). */
@@ -48,6 +53,10 @@ bool scheduler_has_work(const scheduler *s);
 void scheduler_counts(const scheduler *s, int *running, int *waiting);
 /* Finish sequences whose consumer asked for an abort. */
 void scheduler_reap_aborted(scheduler *s);
+/* Poll the KV loads of waiting remote-prefill requests: mark the complete
+ * ones ready, fail the ones past their deadline. Returns how many are still
+ * pending. */
+int scheduler_poll_remote(scheduler *s);
 /* Build the next step. Returns 0 (batch may be empty), -1 on allocation failure. */
 int scheduler_schedule(scheduler *s, sched_batch *b);
 /* After the forward pass: n new tokens of seq are in the cache. */

@@ -107,69 +107,9 @@ int serve_parse_max_model_len(const char *text, int *out, pd_err *err) {
     return 0;
 }
 
-static int kv_check_type(const cJSON *root, const char *key, int (*is)(const cJSON *const),
-                         const char *what, pd_err *err) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, key);
-    if (v && !cJSON_IsNull(v) && !is(v))
-        return pd_fail(err, "--kv-transfer-config: %s must be %s", key, what);
-    return 0;
-}
-
 int kv_transfer_config_validate(const char *json, pd_err *err) {
-    cJSON *root = cJSON_Parse(json);
-    if (!root) return pd_fail(err, "--kv-transfer-config: not valid JSON: %.80s", json);
-    int rc = -1;
-    const char *known[] = {"kv_connector",
-                           "kv_role",
-                           "kv_rank",
-                           "kv_parallel_size",
-                           "kv_ip",
-                           "kv_port",
-                           "kv_buffer_size",
-                           "kv_buffer_device",
-                           "engine_id",
-                           "kv_connector_extra_config",
-                           "kv_connector_module_path"};
-    const cJSON *conn = cJSON_GetObjectItemCaseSensitive(root, "kv_connector");
-    const cJSON *role = cJSON_GetObjectItemCaseSensitive(root, "kv_role");
-    const cJSON *port = cJSON_GetObjectItemCaseSensitive(root, "kv_port");
-    const cJSON *buf = cJSON_GetObjectItemCaseSensitive(root, "kv_buffer_size");
-    if (!cJSON_IsObject(root)) {
-        pd_fail(err, "--kv-transfer-config: must be a JSON object");
-    } else if (!cJSON_IsString(conn)) {
-        pd_fail(err, "--kv-transfer-config: kv_connector is required (\"P2pNcclConnector\")");
-    } else if (strcmp(conn->valuestring, "P2pNcclConnector") != 0) {
-        pd_fail(err, "--kv-transfer-config: kv_connector '%s' is not known (only P2pNcclConnector)",
-                conn->valuestring);
-    } else if (!cJSON_IsString(role) ||
-               (strcmp(role->valuestring, "kv_producer") &&
-                strcmp(role->valuestring, "kv_consumer") && strcmp(role->valuestring, "kv_both"))) {
-        pd_fail(err, "--kv-transfer-config: kv_role must be kv_producer, kv_consumer or kv_both");
-    } else if (port && !cJSON_IsNull(port) &&
-               !(cJSON_IsNumber(port) && port->valuedouble == floor(port->valuedouble) &&
-                 port->valuedouble >= 1 && port->valuedouble <= 65535)) {
-        pd_fail(err, "--kv-transfer-config: kv_port must be an integer in [1, 65535]");
-    } else if (buf && !cJSON_IsNull(buf) &&
-               !(cJSON_IsNumber(buf) ||
-                 (cJSON_IsString(buf) && strtod(buf->valuestring, NULL) > 0))) {
-        pd_fail(err, "--kv-transfer-config: kv_buffer_size must be a number or a numeric string");
-    } else if (kv_check_type(root, "kv_ip", cJSON_IsString, "a string", err) == 0 &&
-               kv_check_type(root, "engine_id", cJSON_IsString, "a string", err) == 0 &&
-               kv_check_type(root, "kv_rank", cJSON_IsNumber, "an integer", err) == 0 &&
-               kv_check_type(root, "kv_parallel_size", cJSON_IsNumber, "an integer", err) == 0 &&
-               kv_check_type(root, "kv_connector_extra_config", cJSON_IsObject, "an object", err) ==
-                   0) {
-        rc = 0;
-        for (const cJSON *it = root->child; it; it = it->next) {
-            int k = 0;
-            for (; k < (int)(sizeof known / sizeof known[0]); k++)
-                if (!strcmp(it->string, known[k])) break;
-            if (k == (int)(sizeof known / sizeof known[0]))
-                pd_log(PD_LOG_WARN, "--kv-transfer-config: unknown key '%s' ignored", it->string);
-        }
-    }
-    cJSON_Delete(root);
-    return rc;
+    kv_transfer_config c;
+    return kv_transfer_config_parse(json, &c, err);
 }
 
 static const char *dtype_names[] = {"auto", "half",  "float16", "fp16", "bfloat16",
@@ -229,7 +169,7 @@ int serve_options_parse(int argc, char **argv, serve_options *o, pd_err *err) {
     if (bs != 1 && bs != 8 && bs != 16 && bs != 32 && bs != 64 && bs != 128 && bs != 256)
         return pd_fail(err, "--block-size: expected 1, 8, 16, 32, 64, 128 or 256, got %d", bs);
     if (serve_parse_max_model_len(o->max_model_len, &o->max_model_len_value, err) != 0) return -1;
-    if (o->kv_transfer_config && kv_transfer_config_validate(o->kv_transfer_config, err) != 0)
+    if (o->kv_transfer_config && kv_transfer_config_parse(o->kv_transfer_config, &o->kv_cfg, err) != 0)
         return -1;
     if (!o->api_key) {
         const char *env = getenv("VLLM_API_KEY");
@@ -263,4 +203,6 @@ void serve_options_to_engine(const serve_options *o, const char *model_dir, engi
     c->seed = o->seed;
     c->threads = o->threads;
     c->max_waiting = o->max_waiting;
+    c->kv_transfer = o->kv_transfer_config ? &o->kv_cfg : NULL;
+    c->http_port = o->port;
 }

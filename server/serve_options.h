@@ -34,6 +34,7 @@ typedef struct serve_options {
     int max_model_len_value; /* 0: the model's own limit */
     pd_log_level log_level_value;
     uint64_t given_mask; /* bit i: table entry i was on the command line */
+    kv_transfer_config kv_cfg; /* parsed --kv-transfer-config (when given) */
 } serve_options;
 
 /* Parse argv (after "serve"). Returns 0, or -1 with err naming the flag.
@@ -45,7 +46,7 @@ void serve_options_log_ignored(const serve_options *o);
 
 /* "2048", "1k" (1000), "1K" (1024), "auto" / "-1" (0: the model's limit). */
 int serve_parse_max_model_len(const char *text, int *out, pd_err *err);
-/* Validate --kv-transfer-config JSON (kv_connector, kv_role, value types). */
+/* Validate --kv-transfer-config JSON (see kv_transfer_config_parse). */
 int kv_transfer_config_validate(const char *json, pd_err *err);
 
 /* Copy the options into c, which the caller set with engine_config_default. */

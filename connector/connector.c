@@ -1,0 +1,354 @@
+/* connector: moves one request's K/V between the paged cache and the
+ * transfer engine (connector/p2p.h). See connector.h and
+ * docs/disaggregation.md.
+ *
+ * Payload layout (one tensor per layer, id "<transfer id>#<layer>"):
+ *   [2, num_tokens, num_heads, head_dim] in the model's compute dtype —
+ *   K rows of every prompt token, then V rows, in token order. Token order
+ *   (not block order) is what lets the two sides use different block sizes. */
+#include "connector/connector.h"
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "connector/p2p.h"
+#include "model/backend.h"
+
+struct kv_connector {
+    kv_transfer_config cfg;
+    opt_model *model;
+    opt_kv_storage *kv;
+    pd_backend *be;
+    p2p_engine *p2p;
+    char fingerprint[256];
+    char id_prefix[40]; /* random per process: transfer ids are unique per producer */
+    uint64_t counter;   /* engine thread only */
+    int layers, kv_dim, block_size;
+    pthread_mutex_t mu; /* guards stats (read from HTTP threads) */
+    kv_connector_stats stats;
+};
+
+struct kv_load {
+    kv_request_params params;
+    char tag[64];
+    int n_prompt;
+    double started, deadline;
+    p2p_tensor **tensors; /* one per layer once taken */
+    int n_taken;
+    bool applied;
+};
+
+/* The first non-loopback IPv4 address, or 127.0.0.1. */
+static void default_ip(char *out, size_t cap) {
+    snprintf(out, cap, "127.0.0.1");
+    struct ifaddrs *ifs = NULL;
+    if (getifaddrs(&ifs) != 0) return;
+    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+        if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET) continue;
+        const struct sockaddr_in *a = (const struct sockaddr_in *)i->ifa_addr;
+        if ((ntohl(a->sin_addr.s_addr) >> 24) == 127) continue;
+        inet_ntop(AF_INET, &a->sin_addr, out, (socklen_t)cap);
+        break;
+    }
+    freeifaddrs(ifs);
+}
+
+int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_storage *kv, pd_backend *be,
+                        int http_port, kv_connector **out, pd_err *err) {
+    (void)http_port;
+    *out = NULL;
+    kv_connector *c = calloc(1, sizeof *c);
+    if (!c) return pd_fail(err, "out of memory");
+    c->cfg = *cfg;
+    if (!c->cfg.kv_ip[0]) default_ip(c->cfg.kv_ip, sizeof c->cfg.kv_ip);
+    c->model = model;
+    c->kv = kv;
+    c->be = be;
+    pthread_mutex_init(&c->mu, NULL);
+    const opt_config *mc = opt_model_config(model);
+    c->layers = mc->num_hidden_layers;
+    c->kv_dim = mc->hidden_size;
+    c->block_size = opt_kv_block_size(kv);
+    /* What both sides must agree on for the bytes to mean the same thing. */
+    snprintf(c->fingerprint, sizeof c->fingerprint,
+             "opt layers=%d hidden=%d heads=%d head_dim=%d vocab=%d dtype=%s layout=token-major-kv-v1",
+             mc->num_hidden_layers, mc->hidden_size, mc->num_attention_heads, mc->head_dim, mc->vocab_size,
+             pd_dtype_name(be->dtype));
+    unsigned seed = (unsigned)getpid() ^ (unsigned)(pd_now() * 1e6);
+    snprintf(c->id_prefix, sizeof c->id_prefix, "xfer-%08x%04x", (unsigned)rand_r(&seed), (unsigned)getpid() & 0xffff);
+    p2p_config pc = {
+        .kv_ip = c->cfg.kv_ip,
+        .kv_port = c->cfg.kv_port,
+        .kv_buffer_size = c->cfg.kv_buffer_size,
+        .send_type = (p2p_send_type)c->cfg.send_type,
+        .transport = c->cfg.transport == KV_TRANSPORT_NCCL ? P2P_NCCL : P2P_TCP,
+        .timeout_s = c->cfg.timeout_s,
+        .nccl_num_channels = c->cfg.nccl_num_channels,
+        .fingerprint = c->fingerprint,
+        .backend = be,
+    };
+    if (p2p_create(&pc, &c->p2p, err) != 0) {
+        pd_wrap(err, "kv connector");
+        kv_connector_destroy(c);
+        return -1;
+    }
+    pd_log(PD_LOG_INFO, "kv connector: %s on %s (send_type %s, transport %s, kv_buffer_size %.3g bytes, timeout %.0f s)",
+           kv_role_name(cfg->role), p2p_address(c->p2p), kv_send_type_name(cfg->send_type),
+           cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp", cfg->kv_buffer_size, cfg->timeout_s);
+    *out = c;
+    return 0;
+}
+
+void kv_connector_destroy(kv_connector *c) {
+    if (!c) return;
+    p2p_destroy(c->p2p);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+}
+
+const kv_transfer_config *kv_connector_config(const kv_connector *c) { return &c->cfg; }
+const char *kv_connector_address(const kv_connector *c) { return p2p_address(c->p2p); }
+bool kv_connector_is_producer(const kv_connector *c) { return c->cfg.role != KV_ROLE_CONSUMER; }
+bool kv_connector_is_consumer(const kv_connector *c) { return c->cfg.role != KV_ROLE_PRODUCER; }
+
+void kv_connector_stats_get(kv_connector *c, kv_connector_stats *out) {
+    pthread_mutex_lock(&c->mu);
+    *out = c->stats;
+    pthread_mutex_unlock(&c->mu);
+    p2p_stats ps;
+    p2p_stats_get(c->p2p, &ps);
+    out->sends_ok = ps.sends_ok;
+    out->sends_failed = ps.sends_failed;
+    out->recvs_ok = ps.recvs_ok;
+    out->recvs_failed = ps.recvs_failed;
+    out->retries = ps.retries;
+    out->aborts = ps.aborts;
+    out->bytes_sent = ps.bytes_sent;
+    out->bytes_received = ps.bytes_received;
+    out->buffered_bytes = ps.buffered_bytes;
+}
+
+static void stats_add(kv_connector *c, bool save, bool ok, double seconds) {
+    pthread_mutex_lock(&c->mu);
+    if (save) {
+        if (ok) c->stats.saves_ok++, c->stats.save_seconds += seconds;
+        else c->stats.saves_failed++;
+    } else {
+        if (ok) c->stats.loads_ok++, c->stats.load_seconds += seconds;
+        else c->stats.loads_failed++;
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Device array of cache slots for tokens [0, n) of a block table. */
+static int32_t *slots_upload(kv_connector *c, const int32_t *table, int n, pd_err *err) {
+    int32_t *host = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
+    if (!host) return pd_fail(err, "out of memory"), NULL;
+    for (int t = 0; t < n; t++) host[t] = table[t / c->block_size] * c->block_size + t % c->block_size;
+    int32_t *dev = c->be->alloc(c->be, sizeof(int32_t) * (size_t)(n > 0 ? n : 1), err);
+    if (dev && c->be->copy_h2d(c->be, dev, host, sizeof(int32_t) * (size_t)n, err) != 0) {
+        c->be->free(c->be, dev);
+        dev = NULL;
+    }
+    free(host);
+    return dev;
+}
+
+static void tensor_id(char *out, size_t cap, const char *transfer_id, int layer) {
+    snprintf(out, cap, "%s#%d", transfer_id, layer);
+}
+
+int kv_connector_save(kv_connector *c, const kv_request_params *params, const int32_t *block_table, int n_tokens,
+                      const char *request_tag, kv_save_result *out, pd_err *err) {
+    double t0 = pd_now();
+    memset(out, 0, sizeof *out);
+    snprintf(out->kv_addr, sizeof out->kv_addr, "%s", p2p_address(c->p2p));
+    snprintf(out->transfer_id, sizeof out->transfer_id, "%s-%llu", c->id_prefix, (unsigned long long)++c->counter);
+    out->num_tokens = n_tokens;
+    const opt_config *mc = opt_model_config(c->model);
+    const size_t row = (size_t)c->kv_dim * c->be->elem_size;
+    const size_t nbytes = 2 * (size_t)n_tokens * row;
+    const int64_t shape[4] = {2, n_tokens, mc->num_attention_heads, mc->head_dim};
+    double deadline = t0 + c->cfg.timeout_s;
+    int32_t *slots = slots_upload(c, block_table, n_tokens, err);
+    void *dev = slots ? c->be->alloc(c->be, nbytes ? nbytes : 1, err) : NULL;
+    int rc = dev ? 0 : -1;
+    for (int l = 0; l < c->layers && rc == 0; l++) {
+        void *k, *v;
+        opt_kv_layer(c->kv, l, &k, &v);
+        c->be->gather_rows(c->be, dev, k, slots, n_tokens, c->kv_dim);
+        c->be->gather_rows(c->be, (char *)dev + (size_t)n_tokens * row, v, slots, n_tokens, c->kv_dim);
+        void *host = malloc(nbytes ? nbytes : 1);
+        if (!host) {
+            rc = pd_fail(err, "out of memory for %zu bytes of KV", nbytes);
+            break;
+        }
+        if (c->be->copy_d2h(c->be, host, dev, nbytes, err) != 0) {
+            free(host);
+            rc = -1;
+            break;
+        }
+        char id[160];
+        tensor_id(id, sizeof id, out->transfer_id, l);
+        const char *dtype = pd_dtype_name(c->be->dtype);
+        switch (c->cfg.send_type) {
+        case KV_SEND_PUT:
+            rc = p2p_put(c->p2p, params->remote_kv_addr, id, dtype, 4, shape, host, nbytes, deadline, err);
+            free(host);
+            break;
+        case KV_SEND_PUT_ASYNC: /* the send thread owns host from here */
+            rc = p2p_put_async(c->p2p, params->remote_kv_addr, id, dtype, 4, shape, host, nbytes, deadline, err);
+            break;
+        case KV_SEND_GET: /* kept until the consumer pulls it (or the deadline) */
+            rc = p2p_offer(c->p2p, id, dtype, 4, shape, host, nbytes, deadline, err);
+            break;
+        }
+    }
+    if (dev) c->be->free(c->be, dev);
+    if (slots) c->be->free(c->be, slots);
+    double dt = pd_now() - t0;
+    stats_add(c, true, rc == 0, dt);
+    if (rc != 0) return pd_wrap(err, "sending KV of %s to %s", request_tag, params->remote_kv_addr);
+    pd_log(PD_LOG_DEBUG, "kv save %s: %d tokens x %d layers = %zu bytes as %s to %s (%s) in %.2f ms", request_tag,
+           n_tokens, c->layers, nbytes * (size_t)c->layers, out->transfer_id, params->remote_kv_addr,
+           kv_send_type_name(c->cfg.send_type), dt * 1e3);
+    return 0;
+}
+
+int kv_connector_load_begin(kv_connector *c, const kv_request_params *params, int n_prompt, const char *request_tag,
+                            kv_load **out, pd_err *err) {
+    *out = NULL;
+    kv_load *l = calloc(1, sizeof *l);
+    if (l) l->tensors = calloc((size_t)c->layers, sizeof *l->tensors);
+    if (!l || !l->tensors) {
+        free(l);
+        return pd_fail(err, "out of memory");
+    }
+    l->params = *params;
+    l->n_prompt = n_prompt;
+    snprintf(l->tag, sizeof l->tag, "%s", request_tag ? request_tag : "");
+    l->started = pd_now();
+    l->deadline = l->started + c->cfg.timeout_s;
+    if (c->cfg.send_type == KV_SEND_GET) {
+        for (int i = 0; i < c->layers; i++) {
+            char id[160];
+            tensor_id(id, sizeof id, params->remote_request_id, i);
+            if (p2p_fetch(c->p2p, params->remote_kv_addr, id, l->deadline, err) != 0) {
+                kv_connector_load_end(c, l);
+                return pd_wrap(err, "pulling KV %s from %s", params->remote_request_id, params->remote_kv_addr);
+            }
+        }
+    }
+    pd_log(PD_LOG_DEBUG, "kv load %s: waiting for %s from %s (%d prompt tokens, %s)", l->tag,
+           params->remote_request_id, params->remote_kv_addr, n_prompt, kv_send_type_name(c->cfg.send_type));
+    *out = l;
+    return 0;
+}
+
+int kv_connector_load_poll(kv_connector *c, kv_load *l, int *http_status, pd_err *err) {
+    const opt_config *mc = opt_model_config(c->model);
+    *http_status = 500;
+    for (int i = 0; i < c->layers; i++) {
+        if (l->tensors[i]) continue;
+        char id[160];
+        tensor_id(id, sizeof id, l->params.remote_request_id, i);
+        int got = p2p_take(c->p2p, id, &l->tensors[i], err);
+        if (got < 0) {
+            stats_add(c, false, false, 0);
+            return pd_wrap(err, "KV %s from %s", l->params.remote_request_id, l->params.remote_kv_addr);
+        }
+        if (got == 0) continue;
+        const p2p_tensor *t = l->tensors[i];
+        bool shape_ok = t->ndim == 4 && t->shape[0] == 2 && t->shape[2] == mc->num_attention_heads &&
+                        t->shape[3] == mc->head_dim && !strcmp(t->dtype, pd_dtype_name(c->be->dtype)) &&
+                        t->nbytes == (size_t)t->shape[1] * 2 * c->kv_dim * c->be->elem_size;
+        if (!shape_ok) {
+            stats_add(c, false, false, 0);
+            return pd_fail(err, "KV %s from %s has shape/dtype that does not fit this model", id,
+                           l->params.remote_kv_addr);
+        }
+        if (t->shape[1] < l->n_prompt - 1) {
+            stats_add(c, false, false, 0);
+            return pd_fail(err, "KV %s from %s covers %lld tokens, but this prompt has %d (was it tokenized the same way?)",
+                           id, l->params.remote_kv_addr, (long long)t->shape[1], l->n_prompt);
+        }
+        l->n_taken++;
+    }
+    if (l->n_taken == c->layers) return 1;
+    if (pd_now() > l->deadline) {
+        *http_status = 504;
+        stats_add(c, false, false, 0);
+        return pd_fail(err, "timed out after %.0f s waiting for KV %s from %s (%d of %d layers arrived)", c->cfg.timeout_s,
+                       l->params.remote_request_id, l->params.remote_kv_addr, l->n_taken, c->layers);
+    }
+    return 0;
+}
+
+int kv_connector_load_apply(kv_connector *c, kv_load *l, const int32_t *block_table, int n_tokens, pd_err *err) {
+    double t0 = pd_now();
+    if (n_tokens <= 0) {
+        l->applied = true;
+        return 0;
+    }
+    const size_t row = (size_t)c->kv_dim * c->be->elem_size;
+    int32_t *slots = slots_upload(c, block_table, n_tokens, err);
+    if (!slots) return -1;
+    pd_step_meta meta;
+    memset(&meta, 0, sizeof meta);
+    meta.n_tokens = n_tokens;
+    meta.slot_mapping = slots;
+    size_t bytes = 0;
+    int rc = 0;
+    for (int i = 0; i < c->layers && rc == 0; i++) {
+        p2p_tensor *t = l->tensors[i];
+        const size_t n_sent = (size_t)t->shape[1];
+        void *src = t->data;
+        void *dev = NULL;
+        if (!t->on_device) {
+            /* Host bytes (tcp): stage them into backend memory first. */
+            dev = c->be->alloc(c->be, t->nbytes ? t->nbytes : 1, err);
+            if (!dev || c->be->copy_h2d(c->be, dev, t->data, t->nbytes, err) != 0) {
+                rc = -1;
+                break;
+            }
+            src = dev;
+        }
+        void *k, *v;
+        opt_kv_layer(c->kv, i, &k, &v);
+        c->be->kv_write(c->be, k, v, src, (char *)src + n_sent * row, c->kv_dim, &meta, c->kv_dim);
+        if (c->be->sync(c->be, err) != 0) rc = -1;
+        bytes += t->nbytes;
+        if (dev) c->be->free(c->be, dev);
+    }
+    c->be->free(c->be, slots);
+    if (rc != 0) return pd_wrap(err, "writing received KV into the cache");
+    l->applied = true;
+    double now = pd_now();
+    stats_add(c, false, true, now - l->started);
+    pd_log(PD_LOG_DEBUG, "kv load %s: %s from %s: %zu bytes, %d tokens written into the cache (waited %.2f ms, wrote in %.2f ms)",
+           l->tag, l->params.remote_request_id, l->params.remote_kv_addr, bytes, n_tokens, (t0 - l->started) * 1e3,
+           (now - t0) * 1e3);
+    return 0;
+}
+
+void kv_connector_load_end(kv_connector *c, kv_load *l) {
+    if (!l) return;
+    for (int i = 0; i < c->layers; i++) {
+        if (l->tensors[i]) {
+            p2p_tensor_free(c->p2p, l->tensors[i]);
+        } else if (!l->applied) {
+            /* Tell the producer to drop what it still holds for this layer. */
+            char id[160];
+            tensor_id(id, sizeof id, l->params.remote_request_id, i);
+            p2p_drop(c->p2p, l->params.remote_kv_addr, id);
+        }
+    }
+    free(l->tensors);
+    free(l);
+}

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# test_disagg: disaggregated prefill/decode over the tcp data plane, with
+# real `pdserve serve` processes and a test driver (disagg.test.js) that
+# plays the proxy's three hops. One colocated instance is the reference; one
+# prefill/decode pair per send type (PUT, PUT_ASYNC, GET), each pair with
+# different block sizes on the two sides; plus instances for the fault tests.
+set -u
+bin=${PDSERVE_BIN:?}
+src=${PDSERVE_SRC:?}
+dir="$src/tests/connector"
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
+  wait 2>/dev/null
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+
+if [ ! -d "$src/tests/server/node_modules/openai" ]; then
+  (cd "$src/tests/server" && npm install --no-audit --no-fund --silent >/dev/null 2>&1) || true
+fi
+"$bin" make-model "$tmp/model" --preset tiny --seed 11 2>/dev/null || { echo "FAIL: make-model"; exit 1; }
+
+# Free TCP ports for the KV control planes.
+freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+
+start() { # name, then serve flags; exports URL_<name>
+  local name=$1; shift
+  "$bin" serve "$tmp/model" --host 127.0.0.1 --port 0 --max-model-len 256 --num-gpu-blocks-override 256 \
+    --log-level "${PD_LOG_LEVEL:-info}" "$@" >"$tmp/$name.log" 2>&1 &
+  pids+=($!)
+  eval "PID_$name=$!"
+  local port=""
+  for _ in $(seq 1 300); do
+    port=$(sed -n 's/.* on http:\/\/[^:]*:\([0-9]*\) .*/\1/p' "$tmp/$name.log" | head -1)
+    [ -n "$port" ] && break
+    kill -0 "${pids[-1]}" 2>/dev/null || break
+    sleep 0.1
+  done
+  if [ -z "$port" ]; then echo "FAIL: server $name did not start:"; cat "$tmp/$name.log"; exit 1; fi
+  export "URL_$name=http://127.0.0.1:$port"
+}
+
+kvcfg() { # role port send_type [extra json fields]
+  printf '{"kv_connector":"P2pNcclConnector","kv_role":"%s","kv_ip":"127.0.0.1","kv_port":%s,"kv_buffer_size":"1e8","kv_connector_extra_config":{"send_type":"%s","timeout_s":%s%s}}' \
+    "$1" "$2" "$3" "${TIMEOUT:-10}" "${4:-}"
+}
+
+start colo --block-size 16
+i=0
+for st in PUT PUT_ASYNC GET; do
+  pp=$(freeport); dp=$(freeport)
+  bs_p=$((16 << (i % 2))); bs_d=$((8 << i))
+  start "p_$st" --block-size $bs_p --kv-transfer-config "$(kvcfg kv_producer "$pp" "$st")"
+  start "d_$st" --block-size $bs_d --kv-transfer-config "$(kvcfg kv_consumer "$dp" "$st")"
+  export "KV_p_$st=127.0.0.1:$pp" "KV_d_$st=127.0.0.1:$dp"
+  i=$((i + 1))
+done
+# Fault-test instances: short deadlines; a consumer with a kv buffer too
+# small for one request; a consumer we kill while KV is in flight.
+TIMEOUT=2
+fp=$(freeport); fd=$(freeport); fs=$(freeport); fk=$(freeport)
+start p_fault --kv-transfer-config "$(kvcfg kv_producer "$fp" PUT)"
+start pa_fault --kv-transfer-config "$(kvcfg kv_producer "$(freeport)" PUT_ASYNC)"
+start d_fault --kv-transfer-config "$(kvcfg kv_consumer "$fd" PUT)"
+start d_small --kv-transfer-config "$(printf '{"kv_connector":"P2pNcclConnector","kv_role":"kv_consumer","kv_ip":"127.0.0.1","kv_port":%s,"kv_buffer_size":1000,"kv_connector_extra_config":{"send_type":"PUT","timeout_s":2}}' "$fs")"
+start d_kill --kv-transfer-config "$(kvcfg kv_consumer "$fk" PUT_ASYNC)"
+export KV_p_fault=127.0.0.1:$fp KV_d_fault=127.0.0.1:$fd KV_d_small=127.0.0.1:$fs KV_d_kill=127.0.0.1:$fk
+export PID_d_kill LOG_DIR=$tmp
+
+fail=0
+node --test --test-reporter=spec "$dir/disagg.test.js" || fail=1
+if [ $fail -ne 0 ]; then
+  for f in "$tmp"/*.log; do echo "--- $(basename "$f") (tail)"; tail -8 "$f"; done
+fi
+# Every instance still alive and healthy after the faults (but the one we killed).
+for v in $(compgen -v URL_); do
+  url=${!v}
+  [ "$v" = URL_d_kill ] && continue
+  code=$(curl -s -o /dev/null -w '%{http_code}' "$url/health")
+  [ "$code" = 200 ] || { echo "FAIL: $v not healthy after the tests ($code)"; fail=1; }
+done
+[ $fail -eq 0 ] && echo "disaggregation tests: all passed"
+exit $fail
