@@ -37,8 +37,10 @@ static void pack_map(msgpack_sbuffer *sb, const char *const *kv, int pairs) {
     msgpack_pack_map(&pk, (size_t)pairs);
     for (int i = 0; i < pairs; i++) {
         pack_str(&pk, kv[2 * i]);
-        if (kv[2 * i + 1]) pack_str(&pk, kv[2 * i + 1]);
-        else msgpack_pack_int(&pk, 7);
+        if (kv[2 * i + 1])
+            pack_str(&pk, kv[2 * i + 1]);
+        else
+            msgpack_pack_int(&pk, 7);
     }
 }
 
@@ -92,8 +94,8 @@ static void test_bad_messages(void) {
     const char *ok[] = {"type", "P", "http_address", "1.2.3.4:5", "zmq_address", "1.2.3.4:6"};
     CHECK(decode_map(ok, 3, &m, &err) == 0);
     /* Extra keys are tolerated (room for later fields), key order is free. */
-    const char *extra[] = {"zmq_address", "1.2.3.4:6", "version", "2", "http_address",
-                           "1.2.3.4:5", "type", "D"};
+    const char *extra[] = {"zmq_address",  "1.2.3.4:6", "version", "2",
+                           "http_address", "1.2.3.4:5", "type",    "D"};
     CHECK(decode_map(extra, 4, &m, &err) == 0 && m.role == ROLE_DECODE);
     const char *unknown[] = {"type", "X", "http_address", "1.2.3.4:5", "zmq_address", "1.2.3.4:6"};
     CHECK(decode_map(unknown, 3, &m, &err) != 0 && strstr(err.msg, "unknown type"));
@@ -103,8 +105,9 @@ static void test_bad_messages(void) {
     CHECK(decode_map(missing, 2, &m, &err) != 0 && strstr(err.msg, "zmq_address"));
     const char *intval[] = {"type", "P", "http_address", NULL, "zmq_address", "1.2.3.4:6"};
     CHECK(decode_map(intval, 3, &m, &err) != 0 && strstr(err.msg, "http_address"));
-    const char *bad_addrs[] = {"1.2.3.4", "1.2.3.4:0", "1.2.3.4:70000", ":80", "a b:1",
-                               "1.2.3.4:80x", "::1:80", "", "h/x:1"};
+    const char *bad_addrs[] = {"1.2.3.4", "1.2.3.4:0", "1.2.3.4:70000",
+                               ":80",     "a b:1",     "1.2.3.4:80x",
+                               "::1:80",  "",          "h/x:1"};
     for (size_t i = 0; i < sizeof bad_addrs / sizeof bad_addrs[0]; i++) {
         const char *kv[] = {"type", "D", "http_address", bad_addrs[i], "zmq_address", "1.2.3.4:6"};
         CHECKF(decode_map(kv, 3, &m, &err) != 0, "address '%s' accepted", bad_addrs[i]);
@@ -181,14 +184,15 @@ static void test_registry(void) {
 
     /* Expiry: b and c were last heard at t, a at t + 1. */
     CHECK(registry_expire(r, t + 4.9) == 0);
-    CHECK(registry_live(r, ROLE_PREFILL, t + 5.5) == 1); /* picks see expiry even before the sweep */
+    CHECK(registry_live(r, ROLE_PREFILL, t + 5.5) ==
+          1); /* picks see expiry even before the sweep */
     CHECK(registry_expire(r, t + 5.5) == 2);
     for (int i = 0; i < 4; i++) {
         CHECK(registry_pick(r, ROLE_PREFILL, NULL, 0, t + 5.5, &p) == 0 && !strcmp(p.http, "a:1"));
         registry_release(r, p.id, 0.01, false, t + 5.5);
     }
-    CHECK(registry_pick(r, ROLE_PREFILL, NULL, 0, t + 7, &p) != 0); /* all gone */
-    CHECK(registry_live(r, ROLE_DECODE, t + 1e6) == 1);              /* static stays */
+    CHECK(registry_pick(r, ROLE_PREFILL, NULL, 0, t + 7, &p) != 0);      /* all gone */
+    CHECK(registry_live(r, ROLE_DECODE, t + 1e6) == 1);                  /* static stays */
     CHECK(registry_announce(r, ROLE_PREFILL, "b:1", "b:3", t + 8) == 1); /* back, new kv */
     CHECK(registry_pick(r, ROLE_PREFILL, NULL, 0, t + 8, &p) == 0 && !strcmp(p.kv, "b:3"));
     registry_release(r, p.id, 0.01, false, t + 8);

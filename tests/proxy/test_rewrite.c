@@ -40,8 +40,8 @@ static void test_prefill(void) {
         CHECK(p && len == strlen(p));
         cJSON *pj = cJSON_Parse(p);
         CHECK(pj != NULL);
-        const char *changed[] = {"max_tokens", "max_completion_tokens", "stream",
-                                 "stream_options", "min_tokens", "kv_transfer_params"};
+        const char *changed[] = {"max_tokens", "max_completion_tokens", "stream", "stream_options",
+                                 "min_tokens", "kv_transfer_params"};
         CHECKF(same_fields(root, pj, changed, 6), "body %zu: %s", i, p);
         CHECK(cJSON_GetObjectItem(pj, "max_tokens")->valuedouble == 1);
         const cJSON *mct = cJSON_GetObjectItem(pj, "max_completion_tokens");
@@ -49,7 +49,8 @@ static void test_prefill(void) {
         if (mct) CHECK(mct->valuedouble == 1);
         CHECK(cJSON_IsFalse(cJSON_GetObjectItem(pj, "stream")));
         CHECK(!cJSON_GetObjectItem(pj, "stream_options") && !cJSON_GetObjectItem(pj, "min_tokens"));
-        cJSON *want = cJSON_Parse("{\"do_remote_decode\":true,\"remote_kv_addr\":\"10.1.1.1:14580\"}");
+        cJSON *want =
+            cJSON_Parse("{\"do_remote_decode\":true,\"remote_kv_addr\":\"10.1.1.1:14580\"}");
         CHECK(cJSON_Compare(cJSON_GetObjectItem(pj, "kv_transfer_params"), want, 1));
         cJSON_Delete(want);
         cJSON_Delete(pj);
@@ -92,7 +93,8 @@ static void test_decode(void) {
         }
         free(d);
         cJSON_Delete(dj);
-        /* No params from the prefill: the original, untouched (or the client's own params dropped). */
+        /* No params from the prefill: the original, untouched (or the client's own params dropped).
+         */
         d = rewrite_decode_body(orig, strlen(orig), root, NULL, &len);
         if (!cJSON_GetObjectItem(root, "kv_transfer_params")) {
             CHECK(len == strlen(orig) && !memcmp(d, orig, len));
@@ -111,7 +113,8 @@ static void test_answers_and_errors(void) {
     const char *ans = "{\"choices\":[],\"kv_transfer_params\":{\"remote_request_id\":\"x\","
                       "\"remote_kv_addr\":\"h:1\"}}";
     CHECK(rewrite_prefill_answer(ans, strlen(ans), &p) == 0 && p);
-    cJSON *a = cJSON_Parse(p), *w = cJSON_Parse("{\"remote_request_id\":\"x\",\"remote_kv_addr\":\"h:1\"}");
+    cJSON *a = cJSON_Parse(p),
+          *w = cJSON_Parse("{\"remote_request_id\":\"x\",\"remote_kv_addr\":\"h:1\"}");
     CHECK(cJSON_Compare(a, w, 1));
     cJSON_Delete(a);
     cJSON_Delete(w);
