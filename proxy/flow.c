@@ -35,6 +35,7 @@ typedef struct px_req {
     double t0, deadline;
     double prefill_s, upstream_s, d_start, ttft;
     int retries, status;
+    bool accounted;
     reg_pick p, d;
     bool have_p, have_d, d_failed;
     up_call *call; /* the decode transfer while streaming */
@@ -48,7 +49,12 @@ static bool cancel_check(void *arg) {
     return atomic_load(&r->fx->hard_stop) || front_client_gone(r->conn);
 }
 
-static void finish(px_req *r) {
+/* Count the request (instances, /metrics, log line) once, as soon as its
+ * outcome is known: for a stream that is before its last bytes leave, so a
+ * client that saw the end also sees it counted. */
+static void account(px_req *r) {
+    if (r->accounted) return;
+    r->accounted = true;
     double now = pd_now();
     double total = now - r->t0;
     if (r->have_d && r->d_start > 0) {
@@ -68,6 +74,10 @@ static void finish(px_req *r) {
            r->rid, r->path, r->have_p ? r->p.http : "-", r->have_d ? r->d.http : "-",
            r->prefill_s >= 0 ? r->prefill_s * 1e3 : -1, r->ttft >= 0 ? r->ttft * 1e3 : -1,
            total * 1e3, overhead * 1e3, r->retries, r->status);
+}
+
+static void finish(px_req *r) {
+    account(r);
     free(r->hdr_auth);
     free(r->tail);
     free(r);
@@ -208,7 +218,10 @@ done:
 /* ---- streaming relay -------------------------------------------------------- */
 
 static ssize_t copy_tail(px_req *r, char *buf, size_t max) {
-    if (r->tail_off >= r->tail_len) return MHD_CONTENT_READER_END_OF_STREAM;
+    if (r->tail_off >= r->tail_len) {
+        account(r);
+        return MHD_CONTENT_READER_END_OF_STREAM;
+    }
     size_t n = r->tail_len - r->tail_off < max ? r->tail_len - r->tail_off : max;
     memcpy(buf, r->tail + r->tail_off, n);
     r->tail_off += n;
@@ -229,10 +242,12 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
     }
     if (ur == UP_OK) {
         r->status = 200;
+        account(r);
         return MHD_CONTENT_READER_END_OF_STREAM;
     }
     if (ur == UP_CANCELLED) {
         r->status = 499;
+        account(r);
         return MHD_CONTENT_READER_END_WITH_ERROR;
     }
     /* The stream broke after the 200 went out: tell the client in the
