@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "connector/announce.h"
 #include "model/config.h"
 #include "server/commands.h"
 #include "server/http.h"
@@ -38,6 +39,7 @@ typedef struct serve_state {
     engine *eng;
     metrics *met;
     http_server *http;
+    announcer *ann; /* discovery announcements to a proxy, when configured */
 } serve_state;
 
 static int serve_run(const serve_options *o, serve_state *st, pd_err *err) {
@@ -83,6 +85,10 @@ static int serve_run(const serve_options *o, serve_state *st, pd_err *err) {
            st->model_dir, name, o->host ? o->host : "0.0.0.0", http_server_port(st->http),
            engine_max_model_len(st->eng), engine_num_blocks(st->eng), engine_block_size(st->eng),
            pd_now() - t0);
+    if (o->kv_transfer_config &&
+        announcer_start_from_kv_config(o->kv_transfer_config, o->host, http_server_port(st->http),
+                                       &st->ann, err) != 0)
+        return -1;
 
     int sig = 0;
     while (sigwait(&sigs, &sig) != 0) {
@@ -90,6 +96,8 @@ static int serve_run(const serve_options *o, serve_state *st, pd_err *err) {
     pd_log(PD_LOG_INFO, "%s: draining (%d requests in flight, up to %.0f s)",
            sig == SIGINT ? "SIGINT" : "SIGTERM", http_server_active(st->http),
            (double)o->shutdown_timeout);
+    announcer_stop(st->ann); /* leave the proxy's registry first, so no new requests come */
+    st->ann = NULL;
     http_server_quiesce(st->http);
     if (!wait_idle(st->http, o->shutdown_timeout)) {
         pd_log(PD_LOG_WARN, "aborting %d requests still running", http_server_active(st->http));
@@ -115,6 +123,7 @@ int cmd_serve(int argc, char **argv) {
     serve_state st = {0};
     int rc = serve_run(&o, &st, &err);
     if (rc != 0) fprintf(stderr, "pdserve serve: %s\n", err.msg);
+    announcer_stop(st.ann);
     /* Order matters: the HTTP threads use the engine and the metrics. */
     http_server_stop(st.http);
     if (st.eng) engine_destroy(st.eng);
