@@ -6,7 +6,7 @@
 # Then runs the Node suites in tests/proxy (run.js): greedy outputs through
 # both stacks equal the reference, the OpenAI SDK, protocol conformance and
 # failure handling against fake instances, and instances joining and leaving
-# under load. Installs the `openai` npm package if missing.
+# under load.
 set -u
 bin=${PDSERVE_BIN:?}
 src=${PDSERVE_SRC:-$(cd "$(dirname "$0")/../.." && pwd)}
@@ -17,15 +17,13 @@ if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
   echo "SKIP: node/npm not installed"; exit 0
 fi
 [ -x "$proxy" ] || { echo "FAIL: $proxy not built"; exit 1; }
-if [ ! -d "$dir/node_modules/openai" ]; then
-  if [ -d "$src/tests/server/node_modules/openai" ]; then
-    mkdir -p "$dir/node_modules" && ln -sfn "$src/tests/server/node_modules/openai" "$dir/node_modules/openai"
-  fi
-  if ! node -e 'require(process.argv[1])' "$dir/node_modules/openai" 2>/dev/null; then
-    rm -rf "$dir/node_modules"
-    (cd "$dir" && npm install --no-audit --no-fund --no-package-lock --silent) || { echo "FAIL: npm install"; exit 1; }
-  fi
+# The `openai` package comes from tests/server/node_modules (installed there
+# from tests/server/package.json when missing), found through NODE_PATH.
+mods="$src/tests/server/node_modules"
+if [ ! -d "$mods/openai" ]; then
+  (cd "$src/tests/server" && npm install --no-audit --no-fund --no-package-lock --silent) || { echo "FAIL: npm install"; exit 1; }
 fi
+export NODE_PATH="$mods"
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
