@@ -386,7 +386,7 @@ static void engine_publish_stats(engine *e) {
 }
 
 /* Run one scheduled step: forward, sample, finish. */
-static void engine_step(engine *e, const sched_batch *b) {
+static void engine_step(engine *e, sched_batch *b) {
     pd_err err = {{0}};
     int rows = 0;
     for (int i = 0; i < b->n; i++) rows += b->steps[i].want_logits;
@@ -406,7 +406,7 @@ static void engine_step(engine *e, const sched_batch *b) {
         return;
     }
     e->work.steps++;
-    int row = 0;
+    int row = 0, n_finished = 0;
     for (int i = 0; i < b->n; i++) {
         engine_seq *s = b->seqs[i];
         const opt_seq_step *st = &b->steps[i];
@@ -433,8 +433,16 @@ static void engine_step(engine *e, const sched_batch *b) {
         if (!st->want_logits) continue;
         finish_reason r = engine_sample(e, s, e->logits + (size_t)row++ * e->vocab);
         e->work.generation_tokens++;
-        if (r != FINISH_NONE) scheduler_finish(e->sched, s, r, r == FINISH_ERROR ? "out of memory while sampling" : NULL);
+        if (r != FINISH_NONE) {
+            b->finish[n_finished] = r;
+            b->seqs[n_finished++] = s; /* entries before i are done with; reuse the slots */
+        }
     }
+    /* Counters first, then wake the consumers: a client that reads /metrics
+     * right after its response must see its own tokens counted. */
+    engine_publish_stats(e);
+    for (int i = 0; i < n_finished; i++)
+        scheduler_finish(e->sched, b->seqs[i], b->finish[i], b->finish[i] == FINISH_ERROR ? "out of memory while sampling" : NULL);
 }
 
 static void *engine_loop(void *arg) {

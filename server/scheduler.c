@@ -59,6 +59,7 @@ static void list_remove(seq_list *l, engine_seq *s) {
 void sched_batch_free(sched_batch *b) {
     free(b->seqs);
     free(b->steps);
+    free(b->finish);
     memset(b, 0, sizeof *b);
 }
 
@@ -71,6 +72,9 @@ static int batch_push(sched_batch *b, engine_seq *s, int n_new) {
         opt_seq_step *steps = realloc(b->steps, sizeof *steps * (size_t)cap);
         if (!steps) return -1;
         b->steps = steps;
+        finish_reason *fin = realloc(b->finish, sizeof *fin * (size_t)cap);
+        if (!fin) return -1;
+        b->finish = fin;
         b->cap = cap;
     }
     b->seqs[b->n] = s;

@@ -36,6 +36,7 @@ typedef struct sched_batch {
     int n, cap;
     engine_seq **seqs;
     opt_seq_step *steps;
+    finish_reason *finish; /* scratch for the engine: how each finished sequence ended */
 } sched_batch;
 void sched_batch_free(sched_batch *b);
 
