@@ -131,7 +131,7 @@ void kv_connector_stats_get(kv_connector *c, kv_connector_stats *out) {
     out->aborts = ps.aborts;
     out->bytes_sent = ps.bytes_sent;
     out->bytes_received = ps.bytes_received;
-    out->buffered_bytes = ps.buffered_bytes;
+    out->buffered_bytes = ps.buffered_bytes + ps.offered_bytes;
 }
 
 static void stats_add(kv_connector *c, bool save, bool ok, double seconds) {
@@ -209,6 +209,9 @@ int kv_connector_save(kv_connector *c, const kv_request_params *params, const in
             rc = p2p_offer(c->p2p, id, dtype, 4, shape, host, nbytes, deadline, err);
             break;
         }
+        /* Outcomes of background sends are counted by the transfer engine
+         * (kv_sends_total); nobody asks for them by id, so drop the record. */
+        if (rc == 0 && c->cfg.send_type != KV_SEND_PUT) p2p_forget_send(c->p2p, id);
     }
     if (dev) c->be->free(c->be, dev);
     if (slots) c->be->free(c->be, slots);
