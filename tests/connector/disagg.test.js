@@ -180,6 +180,22 @@ test('prefill gone: decode fails that request by its deadline with a JSON error 
   await stillServes(E.URL_d_GET);
 });
 
+test('prefill killed after answering, its KV not yet pulled: decode fails by the deadline, keeps serving', async () => {
+  const prompt = LONG[2];
+  const pre = await post(E.URL_pg_kill, { prompt, max_tokens: 1, temperature: 0, kv_transfer_params: { remote_kv_addr: E.KV_dg_fault } });
+  assert.equal(pre.status, 200, pre.text);
+  process.kill(Number(E.PID_pg_kill), 'SIGKILL');
+  await new Promise((r) => setTimeout(r, 200));
+  const t0 = Date.now();
+  const dec = await post(E.URL_dg_fault, { prompt, max_tokens: 4, kv_transfer_params: pre.json.kv_transfer_params });
+  const dt = Date.now() - t0;
+  assert.ok(dec.status >= 500 && dec.status < 600 && dec.json && dec.json.error, dec.text);
+  assert.ok(dt < 6000, `failed after ${dt} ms with a 2 s deadline`);
+  await stillServes(E.URL_dg_fault);
+  const m = await metrics(E.URL_dg_fault);
+  assert.equal(m.sum('pdserve:kv_buffered_bytes'), 0);
+});
+
 test('decode killed while KV is in flight: prefill stays healthy and frees the send', async () => {
   process.kill(Number(E.PID_d_kill), 'SIGKILL');
   await new Promise((r) => setTimeout(r, 200));

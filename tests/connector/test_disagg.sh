@@ -66,6 +66,11 @@ start pa_fault --kv-transfer-config "$(kvcfg kv_producer "$(freeport)" PUT_ASYNC
 start d_fault --kv-transfer-config "$(kvcfg kv_consumer "$fd" PUT)"
 start d_small --kv-transfer-config "$(printf '{"kv_connector":"P2pNcclConnector","kv_role":"kv_consumer","kv_ip":"127.0.0.1","kv_port":%s,"kv_buffer_size":1000,"kv_connector_extra_config":{"send_type":"PUT","timeout_s":2}}' "$fs")"
 start d_kill --kv-transfer-config "$(kvcfg kv_consumer "$fk" PUT_ASYNC)"
+# A GET-mode pair whose prefill we kill after it answered, with its KV still held for the pull.
+gp=$(freeport); gd=$(freeport)
+start pg_kill --kv-transfer-config "$(kvcfg kv_producer "$gp" GET)"
+start dg_fault --kv-transfer-config "$(kvcfg kv_consumer "$gd" GET)"
+export KV_dg_fault=127.0.0.1:$gd PID_pg_kill
 export KV_p_fault=127.0.0.1:$fp KV_d_fault=127.0.0.1:$fd KV_d_small=127.0.0.1:$fs KV_d_kill=127.0.0.1:$fk
 export PID_d_kill LOG_DIR=$tmp
 
@@ -77,7 +82,7 @@ fi
 # Every instance still alive and healthy after the faults (but the one we killed).
 for v in $(compgen -v URL_); do
   url=${!v}
-  [ "$v" = URL_d_kill ] && continue
+  [ "$v" = URL_d_kill ] || [ "$v" = URL_pg_kill ] && continue
   code=$(curl -s -o /dev/null -w '%{http_code}' "$url/health")
   [ "$code" = 200 ] || { echo "FAIL: $v not healthy after the tests ($code)"; fail=1; }
 done
