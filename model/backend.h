@@ -96,8 +96,10 @@ struct pd_backend {
     void (*destroy)(pd_backend *be);
 };
 
-/* Create a backend by name: "cpu" (later "cuda"). n_threads: worker threads
- * for the CPU backend, 0 = one per core. */
+/* Create a backend by name: "cpu" (later "cuda"); "cpu-baseline" is the CPU
+ * backend restricted to its portable SSE2 kernels (for testing them).
+ * n_threads: threads of the CPU backend (the caller's thread included),
+ * 0 = one per core. */
 int pd_backend_create(const char *name, int n_threads, pd_backend **out, pd_err *err);
 void pd_backend_destroy(pd_backend *be);
 
