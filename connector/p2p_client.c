@@ -63,13 +63,17 @@ static int comm_ensure(p2p_engine *e, p2p_peer *p, pd_err *err) {
 
 static p2p_peer *peer_get(p2p_engine *e, const char *addr, pd_err *err) {
     p2p_peer *p = peer_find(e, addr);
-    if (p) return p;
+    if (p) {
+        p->last_used = pd_now();
+        return p;
+    }
     p = calloc(1, sizeof *p);
     if (!p) {
         pd_fail(err, "out of memory");
         return NULL;
     }
     snprintf(p->addr, sizeof p->addr, "%s", addr);
+    p->last_used = pd_now();
     p->dealer = zmq_socket(e->zctx, ZMQ_DEALER);
     if (!p->dealer) {
         pd_fail(err, "zmq DEALER socket: %s", zmq_strerror(errno));
@@ -117,6 +121,19 @@ void p2p_peer_close(p2p_engine *e, p2p_peer *p, const char *why) {
     zmq_close(p->dealer);
     p->dealer = NULL;
     p->dead = true;
+}
+
+void p2p_client_close_idle(p2p_engine *e, double now) {
+    double idle = e->timeout_s * 2 > 60 ? e->timeout_s * 2 : 60;
+    for (p2p_peer *p = e->peers; p; p = p->next) {
+        if (p->dead || now - p->last_used < idle) continue;
+        bool busy = false;
+        for (p2p_op *op = e->ops; op && !busy; op = op->next)
+            busy = in_flight_with(op, p->addr);
+        if (busy) continue;
+        pd_log(PD_LOG_DEBUG, "kv p2p %s: closing idle connection to %s", e->addr, p->addr);
+        p2p_peer_close(e, p, "idle");
+    }
 }
 
 void p2p_client_comm_reset(p2p_engine *e, const char *addr, const char *why) {
@@ -360,6 +377,7 @@ static void on_get(p2p_engine *e, p2p_peer *p, const p2p_reply *r, zmq_msg_t *fr
 void p2p_client_reply(p2p_engine *e, p2p_peer *p, zmq_msg_t *frames, int n) {
     p2p_reply r;
     pd_err err;
+    p->last_used = pd_now();
     if (n < 1 ||
         p2p_reply_decode(zmq_msg_data(&frames[0]), zmq_msg_size(&frames[0]), &r, &err) != 0) {
         pd_log(PD_LOG_WARN, "kv p2p %s: bad reply from %s: %s", e->addr, p->addr,

@@ -110,6 +110,7 @@ typedef struct p2p_peer {
     void *dealer;
     bool hello_ok;
     bool dead;           /* closed this iteration; freed at the top of the next */
+    double last_used;    /* idle peers are closed (a dead one would be redialled forever) */
     p2p_nccl_comm *comm; /* nccl: we are rank 0 */
     bool comm_ready;
     double comm_deadline;
@@ -185,6 +186,8 @@ void p2p_client_start(p2p_engine *e, p2p_op *op);
 void p2p_client_reply(p2p_engine *e, p2p_peer *peer, zmq_msg_t *frames, int nframes);
 void p2p_client_abort(p2p_engine *e, const char *addr, const char *id);
 void p2p_client_poll_nccl(p2p_engine *e, double now);
+/* Closes connections unused for max(60 s, 2 x timeout_s); the next use redials (and re-HELLOs). */
+void p2p_client_close_idle(p2p_engine *e, double now);
 /* Fails the ops in flight with peer and closes it (fingerprint mismatch, shutdown). */
 void p2p_peer_close(p2p_engine *e, p2p_peer *peer, const char *why);
 /* Destroys an op's NCCL communicator (aborting every transfer on it) and fails those ops. */

@@ -426,6 +426,7 @@ void *p2p_io_main(void *arg) {
         p2p_client_poll_nccl(e, now);
         p2p_serve_poll_nccl(e, now);
         send_aborts(e);
+        p2p_client_close_idle(e, now);
         reap(e);
 
         size_t n = 2;

@@ -260,6 +260,21 @@ static void test_independent_and_malformed(void) {
           strstr(err.msg, "not a msgpack map"));
     msgpack_sbuffer_destroy(&h.sb);
 
+    /* Containers claiming billions of elements in a few bytes: refused before anything is
+     * allocated. */
+    const uint8_t huge_array[] = {0x81, 0xa3, 'c', 'm', 'd', 0xdd, 0xff, 0xff, 0xff, 0xff};
+    const uint8_t huge_map[] = {0xdf, 0x7f, 0xff, 0xff, 0xff, 0xa3, 'c', 'm', 'd'};
+    const uint8_t huge_str[] = {0x81, 0xa3, 'c', 'm', 'd', 0xdb, 0xff, 0xff, 0xff, 0xf0, 'P'};
+    CHECK(p2p_msg_cmd(huge_array, sizeof huge_array, &cmd, &err) != 0 &&
+          strstr(err.msg, "not valid msgpack"));
+    CHECK(p2p_msg_cmd(huge_map, sizeof huge_map, &cmd, &err) != 0);
+    CHECK(p2p_reply_decode(huge_str, sizeof huge_str, &r, &err) != 0);
+    /* Bigger than any control message. */
+    char *big = calloc(1, 70000);
+    big[0] = (char)0x80;
+    CHECK(p2p_msg_cmd(big, 70000, &cmd, &err) != 0 && strstr(err.msg, "too large"));
+    free(big);
+
     /* Random bytes: every decoder says no or yes, never crashes (ASan build checks reads). */
     for (int iter = 0; iter < 3000; iter++) {
         size_t n = next_rand() % 96;
