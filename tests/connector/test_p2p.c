@@ -154,6 +154,7 @@ static void test_put_modes(void) {
         snprintf(id, sizeof id, "small%d", i);
         if (!holds(small[i], id, (size_t)i + 1)) small_bad++;
         p2p_tensor_free(D, small[i]);
+        if (status_wait(P, id, 5, &err) != 1) small_bad++; /* the producer counts it on the ack */
         p2p_forget_send(P, id);
     }
     CHECKF(small_bad == 0, "%d small tensors wrong", small_bad);
