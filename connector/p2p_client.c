@@ -194,6 +194,10 @@ void p2p_client_start(p2p_engine *e, p2p_op *op) {
                op->id, p->addr, op->meta.nbytes, op->retries + 1);
         return;
     }
+    if (comm_ensure(e, p, &err) != 0) { /* nccl: the bytes will come over our communicator */
+        p2p_op_finish(e, op, false, "%s", err.msg);
+        return;
+    }
     /* GET: hold room for the reply first. Until the producer told us the size, guess the
      * last tensor's (a model's layers are alike); a wrong guess costs one round trip. */
     size_t free_room = room(e);
@@ -303,6 +307,9 @@ static void on_get_ok(p2p_engine *e, p2p_peer *p, p2p_op *op, const p2p_reply *r
     if (e->cfg.transport == P2P_NCCL) {
         pd_err err;
         op->state = OPS_RECVING;
+        /* The producer's side is up, so ours is too (joining is collective); our poll may lag. */
+        if (p->comm && !p->comm_ready && p2p_nccl_comm_poll(p->comm, &err) == 1)
+            p->comm_ready = true;
         if (r->meta.nbytes > 0) {
             op->dev_buf = p2p_nccl_alloc(e->cfg.nccl_device, r->meta.nbytes, &err);
             if (!op->dev_buf || !p->comm_ready ||

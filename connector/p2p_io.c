@@ -70,7 +70,7 @@ void p2p_rx_fail(p2p_engine *e, const char *id, const char *peer, const pd_err *
     }
     e->buffered -= rx->counted;
     rx->counted = 0;
-    snprintf(rx->peer, sizeof rx->peer, "%s", peer ? peer : "");
+    if (peer && peer != rx->peer) snprintf(rx->peer, sizeof rx->peer, "%s", peer);
     rx->state = RX_FAILED;
     rx->err = *why;
     rx->expires = pd_now() + 2 * e->timeout_s;
@@ -98,19 +98,22 @@ p2p_rx_tensor *p2p_rx_tensor_make(const char *id, const p2p_meta *meta, zmq_msg_
         t->pub.data = dev_buf;
         t->pub.on_device = true;
     } else if (meta->nbytes > 0) {
-        void *p = zmq_msg_data(frame);
-        if (((uintptr_t)p & 15) == 0) { /* keep ZMQ's buffer: no copy */
-            zmq_msg_init(&t->msg);
-            zmq_msg_move(&t->msg, frame);
+        /* Keep ZMQ's buffer when it is aligned (no copy). Look after the move: a small
+         * frame's bytes live inside the zmq_msg_t itself and move with it. */
+        zmq_msg_init(&t->msg);
+        zmq_msg_move(&t->msg, frame);
+        void *p = zmq_msg_data(&t->msg);
+        if (((uintptr_t)p & 15) == 0) {
             t->has_msg = true;
             t->pub.data = p;
         } else { /* ZMQ may hand out frames at any offset; callers may cast to float */
             t->pub.data = malloc(meta->nbytes);
+            if (t->pub.data) memcpy(t->pub.data, p, meta->nbytes);
+            zmq_msg_close(&t->msg);
             if (!t->pub.data) {
                 free(t);
                 return NULL;
             }
-            memcpy(t->pub.data, p, meta->nbytes);
         }
     }
     return t;

@@ -133,13 +133,39 @@ static void test_put_modes(void) {
             }
         }
     }
+    /* Small tensors (ZMQ keeps frames up to 33 bytes inside the message struct): hold
+     * them all, then check — each must own its bytes, not point at a reused frame. */
+    p2p_tensor *small[40] = {0};
+    for (int i = 0; i < 40; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "small%d", i);
+        int64_t shape[1] = {i + 1};
+        p2p_put_async(P, p2p_address(D), id, "uint8", 1, shape, make_data(id, (size_t)i + 1),
+                      (size_t)i + 1, 0, &err);
+    }
+    int small_bad = 0;
+    for (int i = 0; i < 40; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "small%d", i);
+        if (take_wait(D, id, 5, &small[i], &err) != 1) small_bad++;
+    }
+    for (int i = 0; i < 40; i++) {
+        char id[32];
+        snprintf(id, sizeof id, "small%d", i);
+        if (!holds(small[i], id, (size_t)i + 1)) small_bad++;
+        p2p_tensor_free(D, small[i]);
+        if (status_wait(P, id, 5, &err) != 1) small_bad++; /* the producer counts it on the ack */
+        p2p_forget_send(P, id);
+    }
+    CHECKF(small_bad == 0, "%d small tensors wrong", small_bad);
     p2p_stats sp = stats(P), sd = stats(D);
     uint64_t total = 0;
     for (size_t k = 0; k < 4; k++)
         total += sizes[k];
-    CHECKF(sp.sends_ok == 12 && sp.bytes_sent == 3 * total && sp.sends_failed == 0, "sends_ok %llu",
+    total = total * 3 + 820; /* 1 + 2 + ... + 40 small ones */
+    CHECKF(sp.sends_ok == 52 && sp.bytes_sent == total && sp.sends_failed == 0, "sends_ok %llu",
            (unsigned long long)sp.sends_ok);
-    CHECKF(sd.recvs_ok == 12 && sd.bytes_received == 3 * total && sd.recvs_failed == 0,
+    CHECKF(sd.recvs_ok == 52 && sd.bytes_received == total && sd.recvs_failed == 0,
            "recvs_ok %llu", (unsigned long long)sd.recvs_ok);
     CHECK(sp.offered_bytes == 0 && sp.send_seconds > 0 && sd.recv_seconds > 0);
     /* The same id again while still being sent is refused; once forgotten it may be reused. */
@@ -556,15 +582,25 @@ static void test_destroy_in_flight(void) {
     }
     CHECK(p2p_offer(P, "kept", "uint8", 1, shape, make_data("kept", MB), MB, 0, &err) == 0);
     CHECK(p2p_fetch(D, dead, "pull", 0, &err) == 0);
-    put_job j = {P, dead, 0, 0};
+    /* A consumer with room for one 100-byte tensor, already full: the blocked PUT keeps retrying.
+     * Its retries show that the caller is inside p2p_put before we destroy (no call may start
+     * after). */
+    p2p_engine *F = mk(150, 30, NULL);
+    int64_t s100[1] = {100};
+    CHECK(F && p2p_put_async(P, p2p_address(F), "fill", "uint8", 1, s100, make_data("fill", 100),
+                             100, 0, &err) == 0);
+    CHECK(status_wait(P, "fill", 5, &err) == 1);
+    put_job j = {P, F ? p2p_address(F) : dead, 0, 0};
+    uint64_t retries = stats(P).retries;
     pthread_t th;
     pthread_create(&th, NULL, blocked_put, &j);
-    usleep(30 * 1000);
+    STATS_WAIT(P, s.retries > retries + 2, 5);
     double t0 = pd_now();
     p2p_destroy(P);
     pthread_join(th, NULL);
     CHECK(j.fails == 1);
     p2p_destroy(D);
+    p2p_destroy(F);
     CHECKF(pd_now() - t0 < 1.0, "destroy took %.2f s", pd_now() - t0);
 }
 
