@@ -221,7 +221,10 @@ static void check_model(const char *preset) {
            g.hash);
     pd_backend *be = NULL;
     opt_model *m = NULL;
-    CHECKF(pd_backend_create("cpu", 0, &be, &err) == 0, "%s", err.msg);
+    /* PDSERVE_TEST_BACKEND=cuda runs the same comparison on the GPU machine. */
+    const char *backend = getenv("PDSERVE_TEST_BACKEND") ? getenv("PDSERVE_TEST_BACKEND") : "cpu";
+    CHECKF(pd_backend_create(backend, 0, &be, &err) == 0, "%s", err.msg);
+    printf("backend: %s\n", backend);
     CHECKF(opt_model_load(dir, be, &m, &err) == 0, "%s", err.msg);
     if (m) {
         check_sequential(m, &g, 16, 1 << 20, preset);
