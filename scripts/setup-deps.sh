@@ -8,6 +8,11 @@ missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Node.js + npm run the HTTP test clients (and the OpenAI Node SDK); take
+# Debian's only when no node is on the PATH.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  missing+=(nodejs npm)
+fi
 if [ ${#missing[@]} -eq 0 ]; then
   echo "setup-deps: all packages present"
   exit 0

@@ -18,7 +18,7 @@ cleanup() {
 trap cleanup EXIT
 
 if [ ! -d "$src/tests/server/node_modules/openai" ]; then
-  (cd "$src/tests/server" && npm install --no-audit --no-fund --silent >/dev/null 2>&1) || true
+  (cd "$src/tests/server" && npm install --no-audit --no-fund --no-package-lock --silent) || { echo "FAIL: npm install"; exit 1; }
 fi
 "$bin" make-model "$tmp/model" --preset tiny --seed 11 2>/dev/null || { echo "FAIL: make-model"; exit 1; }
 

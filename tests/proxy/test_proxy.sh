@@ -14,7 +14,7 @@ build=${PDSERVE_BUILD:-$(dirname "$bin")}
 proxy=$build/pdproxy
 dir="$src/tests/proxy"
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-  echo "SKIP: node/npm not installed"; exit 0
+  echo "FAIL: node/npm not installed (scripts/setup-deps.sh installs them)"; exit 1
 fi
 [ -x "$proxy" ] || { echo "FAIL: $proxy not built"; exit 1; }
 # The `openai` package comes from tests/server/node_modules (installed there

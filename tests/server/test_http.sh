@@ -10,7 +10,7 @@ bin=${PDSERVE_BIN:?}
 src=${PDSERVE_SRC:-$(cd "$(dirname "$0")/../.." && pwd)}
 dir="$src/tests/server"
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-  echo "SKIP: node/npm not installed"; exit 0
+  echo "FAIL: node/npm not installed (scripts/setup-deps.sh installs them)"; exit 1
 fi
 if [ ! -d "$dir/node_modules/openai" ]; then
   (cd "$dir" && npm install --no-audit --no-fund --no-package-lock --silent) || { echo "FAIL: npm install"; exit 1; }
