@@ -96,8 +96,10 @@ struct pd_backend {
     void (*destroy)(pd_backend *be);
 };
 
-/* Create a backend by name: "cpu" (later "cuda"). n_threads: worker threads
- * for the CPU backend, 0 = one per core. */
+/* Create a backend by name: "cpu", or "cuda" / "cuda-fp16" / "cuda-bf16"
+ * (optionally ":DEVICE"; see model/cuda/cuda_backend.h) when pdserve was built
+ * with the CUDA backend. n_threads: worker threads for the CPU backend, 0 =
+ * one per core (ignored by CUDA). */
 int pd_backend_create(const char *name, int n_threads, pd_backend **out, pd_err *err);
 void pd_backend_destroy(pd_backend *be);
 
