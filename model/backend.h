@@ -96,10 +96,11 @@ struct pd_backend {
     void (*destroy)(pd_backend *be);
 };
 
-/* Create a backend by name: "cpu" (later "cuda"); "cpu-baseline" is the CPU
- * backend restricted to its portable SSE2 kernels (for testing them).
- * n_threads: threads of the CPU backend (the caller's thread included),
- * 0 = one per core. */
+/* Create a backend by name: "cpu"; "cpu-baseline" (the CPU backend restricted
+ * to its portable SSE2 kernels, for testing them); or "cuda" / "cuda-fp16" /
+ * "cuda-bf16" (optionally ":DEVICE"; see model/cuda/cuda_backend.h) when
+ * pdserve was built with the CUDA backend. n_threads: threads of the CPU
+ * backend (the caller's thread included), 0 = one per core (ignored by CUDA). */
 int pd_backend_create(const char *name, int n_threads, pd_backend **out, pd_err *err);
 void pd_backend_destroy(pd_backend *be);
 

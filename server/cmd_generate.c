@@ -16,7 +16,7 @@ typedef struct generate_opts {
     int max_tokens, top_k, block_size, threads, chunk, ignore_eos, help;
     float temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty;
     uint64_t seed;
-    const char *log_level;
+    const char *log_level, *backend;
 } generate_opts;
 
 static const cli_option generate_table[] = {
@@ -36,6 +36,7 @@ static const cli_option generate_table[] = {
     {"max-num-batched-tokens", CLI_INT, offsetof(generate_opts, chunk), "2048", 1, 1 << 20,
      "prefill chunk size (tokens per forward pass)"},
     {"threads", CLI_INT, offsetof(generate_opts, threads), "0", 0, 1024, "CPU threads (0: one per core)"},
+    {"backend", CLI_STR, offsetof(generate_opts, backend), "cpu", 1, 0, "cpu, cuda, cuda-fp16 or cuda-bf16 (cuda...:N picks device N)"},
     {"log-level", CLI_STR, offsetof(generate_opts, log_level), "info", 1, 0, "debug, info, warning, error"},
     {"help", CLI_BOOL, offsetof(generate_opts, help), "false", 1, 0, "show this help"},
 };
@@ -69,7 +70,7 @@ static void gen_state_free(gen_state *g) {
 static int generate(const generate_opts *o, const char *model_arg, gen_state *g, pd_err *err) {
     if (resolve_model_arg(model_arg, &g->model_dir, err) != 0) return -1;
     if (tokenizer_load(g->model_dir, &g->tok, err) != 0) return -1;
-    if (pd_backend_create("cpu", o->threads, &g->be, err) != 0) return -1;
+    if (pd_backend_create(o->backend, o->threads, &g->be, err) != 0) return -1;
     double t_load = pd_now();
     if (opt_model_load(g->model_dir, g->be, &g->model, err) != 0) return -1;
     const opt_config *cfg = opt_model_config(g->model);

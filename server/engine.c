@@ -497,7 +497,7 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     if (tokenizer_load(cfg->model_dir, &e->tok, err) != 0) goto fail;
-    if (pd_backend_create("cpu", cfg->threads, &e->be, err) != 0) goto fail;
+    if (pd_backend_create(cfg->backend ? cfg->backend : "cpu", cfg->threads, &e->be, err) != 0) goto fail;
     if (opt_model_load(cfg->model_dir, e->be, &e->model, err) != 0) goto fail;
     const opt_config *mc = opt_model_config(e->model);
     e->vocab = mc->vocab_size;

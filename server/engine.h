@@ -37,6 +37,7 @@ typedef struct engine_config {
     bool enable_prefix_caching;
     uint64_t seed;              /* base seed for requests without one */
     int threads;                /* backend threads (0: one per core) */
+    const char *backend;        /* pd_backend_create name: "cpu", "cuda", "cuda-fp16"...; NULL: cpu */
     int max_waiting;            /* waiting-queue bound; beyond it submit says "busy" */
     const kv_transfer_config *kv_transfer; /* NULL: colocated; else prefill/decode role */
     int http_port;              /* advertised to the proxy */

@@ -9,6 +9,9 @@
 #include <string.h>
 
 #include "server/cli.h"
+#ifdef PDSERVE_HAVE_CUDA
+#include "model/cuda/cuda_backend.h"
+#endif
 
 #define O(f) offsetof(serve_options, f)
 
@@ -23,7 +26,9 @@ static const cli_option serve_table[] = {
     {"api-key", CLI_STR, O(api_key), NULL, 1, 0,
      "require `Authorization: Bearer KEY` on /v1/* (or env VLLM_API_KEY)"},
     {"dtype", CLI_STR, O(dtype), "auto", 1, 0,
-     "auto, half, float16, bfloat16, float, float32 (the CPU backend computes in float32)"},
+     "auto, half, float16, bfloat16, float, float32 (CPU: always float32; CUDA: auto = float32)"},
+    {"device", CLI_STR, O(device), "cpu", 1, 0,
+     "cpu, cuda (cuda:N for device N), auto (cuda when a GPU is visible, else cpu)"},
     {"max-model-len", CLI_STR, O(max_model_len), "auto", 1, 0,
      "context length: N, 1k (1000), 1K (1024), auto (the model's)"},
     {"block-size", CLI_INT, O(block_size), "16", 1, 256, "tokens per KV-cache block"},
@@ -115,6 +120,35 @@ int kv_transfer_config_validate(const char *json, pd_err *err) {
 static const char *dtype_names[] = {"auto", "half",  "float16", "fp16", "bfloat16",
                                     "bf16", "float", "float32", "fp32"};
 
+/* The backend for --device and --dtype: "cpu", or "cuda" / "cuda-fp16" /
+ * "cuda-bf16" with the device's ":N" kept. CUDA's auto dtype is float32 for
+ * now (exactly comparable with the CPU backend). */
+static int serve_backend_name(const char *device, const char *dtype, char *out, size_t cap,
+                              pd_err *err) {
+    const char *dev = device;
+    if (!strcmp(dev, "auto")) {
+#ifdef PDSERVE_HAVE_CUDA
+        dev = pd_cuda_device_count() > 0 ? "cuda" : "cpu";
+#else
+        dev = "cpu";
+#endif
+    }
+    if (!strcmp(dev, "cpu")) {
+        snprintf(out, cap, "cpu");
+        return 0;
+    }
+    if (strncmp(dev, "cuda", 4) != 0 || (dev[4] && dev[4] != ':') || !strcmp(dev, "cuda:") ||
+        strlen(dev) > 16)
+        return pd_fail(err, "--device: expected auto, cpu, cuda or cuda:N, got '%s'", device);
+    const char *suffix = "";
+    if (!strcmp(dtype, "half") || !strcmp(dtype, "float16") || !strcmp(dtype, "fp16"))
+        suffix = "-fp16";
+    else if (!strcmp(dtype, "bfloat16") || !strcmp(dtype, "bf16"))
+        suffix = "-bf16";
+    snprintf(out, cap, "cuda%s%s", suffix, dev + 4);
+    return 0;
+}
+
 int serve_options_parse(int argc, char **argv, serve_options *o, pd_err *err) {
     memset(o, 0, sizeof *o);
     /* --served-model-name takes several values (vLLM nargs="+"): gather them
@@ -165,6 +199,7 @@ int serve_options_parse(int argc, char **argv, serve_options *o, pd_err *err) {
         return pd_fail(
             err, "--dtype: expected auto, half, float16, bfloat16, float or float32, got '%s'",
             o->dtype);
+    if (serve_backend_name(o->device, o->dtype, o->backend, sizeof o->backend, err) != 0) return -1;
     int bs = o->block_size;
     if (bs != 1 && bs != 8 && bs != 16 && bs != 32 && bs != 64 && bs != 128 && bs != 256)
         return pd_fail(err, "--block-size: expected 1, 8, 16, 32, 64, 128 or 256, got %d", bs);
@@ -186,8 +221,8 @@ void serve_options_log_ignored(const serve_options *o) {
         if (o->given_mask & ((uint64_t)1 << i))
             pd_log(PD_LOG_WARN, "--%s: accepted and ignored (%s)", serve_table[i].name,
                    serve_table[i].help);
-    if (strcmp(o->dtype, "auto") && strcmp(o->dtype, "float") && strcmp(o->dtype, "float32") &&
-        strcmp(o->dtype, "fp32"))
+    if (!strcmp(o->backend, "cpu") && strcmp(o->dtype, "auto") && strcmp(o->dtype, "float") &&
+        strcmp(o->dtype, "float32") && strcmp(o->dtype, "fp32"))
         pd_log(PD_LOG_WARN, "--dtype %s: the CPU backend computes in float32", o->dtype);
 }
 
@@ -202,6 +237,7 @@ void serve_options_to_engine(const serve_options *o, const char *model_dir, engi
     c->enable_prefix_caching = o->enable_prefix_caching != 0;
     c->seed = o->seed;
     c->threads = o->threads;
+    c->backend = o->backend;
     c->max_waiting = o->max_waiting;
     c->kv_transfer = o->kv_transfer_config ? &o->kv_cfg : NULL;
     c->http_port = o->port;

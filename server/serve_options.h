@@ -15,7 +15,7 @@
 
 typedef struct serve_options {
     const char *model, *host, *dtype, *max_model_len, *served_model_name, *api_key;
-    const char *kv_transfer_config, *log_level, *chat_template;
+    const char *kv_transfer_config, *log_level, *chat_template, *device;
     int port, block_size, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override;
     int enable_prefix_caching, enforce_eager, max_waiting, threads, max_logprobs;
     int tensor_parallel_size, pipeline_parallel_size, help;
@@ -35,6 +35,7 @@ typedef struct serve_options {
     pd_log_level log_level_value;
     uint64_t given_mask; /* bit i: table entry i was on the command line */
     kv_transfer_config kv_cfg; /* parsed --kv-transfer-config (when given) */
+    char backend[48];          /* backend name from --device and --dtype ("cpu", "cuda-fp16"...) */
 } serve_options;
 
 /* Parse argv (after "serve"). Returns 0, or -1 with err naming the flag.

@@ -1,0 +1,123 @@
+/* cuda_attention: causal attention of the step's new tokens over the paged
+ * KV cache — the GPU twin of model/cpu/cpu_attention.c.
+ *
+ * Work split: one warp per (token, head); ATTN_WARPS warps per block. Lane l
+ * holds the head's dimensions l, l+32, l+64, ... of q (already multiplied by
+ * scale, as HF does) and of the output accumulator, in registers, so any
+ * head_dim up to 32 * PER_LANE works (64 -> 2 per lane; 80 -> 3 for lanes
+ * 0-15, 2 for the others). The warp walks positions 0..positions[t] of the
+ * token's sequence in order; position p is read from slot
+ * block_table[p / block_size] * block_size + p % block_size. For each
+ * position the lanes' partial dot products are summed with an xor butterfly
+ * (every lane ends with the same bits, so the branch below is warp-uniform),
+ * then the online softmax (running max and sum, accumulator rescaled when the
+ * max grows) is updated exactly as on the CPU. All of it is fp32.
+ *
+ * This is the simple version: one query per warp, positions one at a time,
+ * no shared-memory tiling of K/V across the queries of a prefill. */
+#include <math.h>
+
+#include "model/cuda/cuda_internal.cuh"
+
+#define ATTN_WARPS 4
+
+template <typename T, int PER_LANE>
+__global__ void paged_attention_kernel(T *out, const T *q, int q_stride, const T *k_cache,
+                                       const T *v_cache, const int32_t *positions,
+                                       const int32_t *token_seq, const int32_t *block_tables,
+                                       int max_blocks, int n_tokens, int heads, int head_dim,
+                                       int block_size, float scale) {
+    const int item = blockIdx.x * ATTN_WARPS + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (item >= n_tokens * heads) return; /* whole warps leave together */
+    const int t = item / heads, h = item % heads;
+    const int pos = positions[t];
+    const int32_t *table = block_tables + (size_t)token_seq[t] * max_blocks;
+    const size_t row = (size_t)heads * head_dim; /* one cache slot: all heads */
+
+    float qr[PER_LANE], acc[PER_LANE];
+    const T *qt = q + (size_t)t * q_stride + (size_t)h * head_dim;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        const int d = lane + 32 * i;
+        qr[i] = d < head_dim ? to_f32(qt[d]) * scale : 0.0f;
+        acc[i] = 0.0f;
+    }
+
+    float max = -INFINITY, sum = 0.0f;
+    for (int p = 0; p <= pos; p++) {
+        const size_t slot = (size_t)table[p / block_size] * block_size + (size_t)(p % block_size);
+        const T *k = k_cache + slot * row + (size_t)h * head_dim;
+        const T *v = v_cache + slot * row + (size_t)h * head_dim;
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            const int d = lane + 32 * i;
+            if (d < head_dim) s += qr[i] * to_f32(k[d]);
+        }
+        for (int o = 16; o > 0; o >>= 1)
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (s > max) { /* rescale what was summed under the old max */
+            const float c = expf(max - s);
+            sum *= c;
+#pragma unroll
+            for (int i = 0; i < PER_LANE; i++)
+                acc[i] *= c;
+            max = s;
+        }
+        const float e = expf(s - max);
+        sum += e;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            const int d = lane + 32 * i;
+            if (d < head_dim) acc[i] += e * to_f32(v[d]);
+        }
+    }
+    T *o = out + (size_t)t * row + (size_t)h * head_dim;
+    const float inv = 1.0f / sum;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        const int d = lane + 32 * i;
+        if (d < head_dim) o[d] = from_f32<T>(acc[i] * inv);
+    }
+}
+
+template <typename T, int PER_LANE>
+static void attention_launch(cudaStream_t s, void *out, const void *q, int q_stride,
+                             const void *k_cache, const void *v_cache, const pd_step_meta *m,
+                             int heads, int head_dim, int block_size, float scale) {
+    const int items = m->n_tokens * heads;
+    const unsigned blocks = (unsigned)((items + ATTN_WARPS - 1) / ATTN_WARPS);
+    paged_attention_kernel<T, PER_LANE><<<blocks, 32 * ATTN_WARPS, 0, s>>>(
+        (T *)out, (const T *)q, q_stride, (const T *)k_cache, (const T *)v_cache, m->positions,
+        m->token_seq, m->block_tables, m->max_blocks, m->n_tokens, heads, head_dim, block_size,
+        scale);
+}
+
+/* Registers per lane grow with head_dim, so pick the smallest PER_LANE that fits. */
+template <typename T>
+static void attention_pick(cudaStream_t s, void *out, const void *q, int q_stride,
+                           const void *k_cache, const void *v_cache, const pd_step_meta *m,
+                           int heads, int hd, int bs, float scale) {
+    if (hd <= 32)
+        attention_launch<T, 1>(s, out, q, q_stride, k_cache, v_cache, m, heads, hd, bs, scale);
+    else if (hd <= 64)
+        attention_launch<T, 2>(s, out, q, q_stride, k_cache, v_cache, m, heads, hd, bs, scale);
+    else if (hd <= 96)
+        attention_launch<T, 3>(s, out, q, q_stride, k_cache, v_cache, m, heads, hd, bs, scale);
+    else if (hd <= 128)
+        attention_launch<T, 4>(s, out, q, q_stride, k_cache, v_cache, m, heads, hd, bs, scale);
+    else if (hd <= 256)
+        attention_launch<T, 8>(s, out, q, q_stride, k_cache, v_cache, m, heads, hd, bs, scale);
+    else
+        attention_launch<T, 16>(s, out, q, q_stride, k_cache, v_cache, m, heads, hd, bs, scale);
+}
+
+void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
+                          const void *k_cache, const void *v_cache, const pd_step_meta *meta,
+                          int heads, int head_dim, int block_size, float scale) {
+    if (meta->n_tokens <= 0 || heads <= 0 || head_dim <= 0) return;
+    CUDA_DISPATCH(dt, E,
+                  attention_pick<E>(s, out, q, q_stride, k_cache, v_cache, meta, heads, head_dim,
+                                    block_size, scale))
+}

@@ -1,0 +1,412 @@
+/* cuda_backend: the ops table (backend.h) on one CUDA device.
+ *
+ * Memory is cudaMalloc'd device memory; every copy, kernel and cuBLAS call
+ * goes onto ONE non-blocking stream owned by the backend, so ops run in the
+ * order opt.c issues them and nothing else on the device interleaves.
+ * Host<->device copies wait for their stream before returning (the host
+ * buffer is free to reuse, download_f32 sees every queued op's result).
+ *
+ * Compute ops only queue work. A launch or cuBLAS error is remembered (the
+ * first one) and reported by the next sync / copy / download; errors raised
+ * while a kernel runs surface from cudaStreamSynchronize there too.
+ *
+ * The CUDA runtime's "current device" is per host thread and the engine runs
+ * the model on its own thread, so every entry point selects the backend's
+ * device first (cheap: the context already exists).
+ *
+ * GEMM layout trick: cuBLAS is column-major, our matrices are row-major. A
+ * row-major [r, c] matrix with row stride ld is the column-major [c, r]
+ * matrix with leading dimension ld, i.e. its transpose, for free. So
+ *   y[T,out] = x[T,in] . W[out,in]^T      (row-major)
+ * is, read column-major,
+ *   Y'[out,T] = W'[in,out]^T . X'[in,T]   (Y' = y^T, W' = W^T, X' = x^T)
+ * which is one cublasGemmEx(op(A) = T, op(B) = N, m = out, n = T, k = in,
+ * A = W lda = in, B = x ldb = x_stride, C = y ldc = out). The bias is added
+ * by a small kernel afterwards. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cublas_v2.h>
+
+#include "model/cuda/cuda_backend.h"
+#include "model/cuda/cuda_internal.cuh"
+
+typedef struct cuda_ctx {
+    int device;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    void *stage; /* upload staging: raw checkpoint bytes before conversion */
+    size_t stage_bytes;
+    float *f32; /* download staging: fp32 copy of a 16-bit buffer */
+    size_t f32_bytes;
+    int failed;    /* a deferred error is pending */
+    char err[256]; /* its message */
+    char name[48];
+} cuda_ctx;
+
+static cuda_ctx *ctx_of(pd_backend *be) {
+    return (cuda_ctx *)be->ctx;
+}
+
+/* Make the backend's device current on the calling thread. */
+static void cu_enter(cuda_ctx *c) {
+    cudaSetDevice(c->device);
+}
+
+/* Remember the first error of a queued op (reported at the next sync). */
+static void cu_defer(cuda_ctx *c, const char *op, const char *what) {
+    if (c->failed) return;
+    c->failed = 1;
+    snprintf(c->err, sizeof c->err, "%s: %s", op, what);
+}
+
+/* After a kernel launch: catch bad launch configurations at once. */
+static void cu_check_launch(cuda_ctx *c, const char *op) {
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) cu_defer(c, op, cudaGetErrorString(e));
+}
+
+/* Wait for the stream; turn a pending deferred error or a CUDA error into pd_err. */
+static int cu_wait(cuda_ctx *c, const char *what, pd_err *err) {
+    cudaError_t e = cudaStreamSynchronize(c->stream);
+    if (c->failed) {
+        c->failed = 0;
+        return pd_fail(err, "cuda backend: %s (reported at %s)", c->err, what);
+    }
+    if (e != cudaSuccess) {
+        cudaGetLastError(); /* clear it if it is not sticky */
+        return pd_fail(err, "cuda backend: %s: %s", what, cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+/* ---- memory ---- */
+
+static void *cu_alloc_raw(cuda_ctx *c, size_t bytes, pd_err *err) {
+    void *p = NULL;
+    if (bytes == 0) bytes = 1; /* callers treat NULL as failure */
+    cudaError_t e = cudaMalloc(&p, bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        size_t free_b = 0, total_b = 0;
+        cudaMemGetInfo(&free_b, &total_b);
+        pd_fail(err,
+                "cuda backend: out of device memory: cannot allocate %zu bytes (%.1f MiB free "
+                "of %.1f MiB on device %d): %s",
+                bytes, free_b / 1048576.0, total_b / 1048576.0, c->device, cudaGetErrorString(e));
+        return NULL;
+    }
+    return p;
+}
+
+static void *cu_alloc(pd_backend *be, size_t bytes, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    void *p = cu_alloc_raw(c, bytes, err);
+    if (!p) return NULL;
+    /* Zeroed, as backend.h promises; ordered before any later op on the stream. */
+    cudaError_t e = cudaMemsetAsync(p, 0, bytes ? bytes : 1, c->stream);
+    if (e != cudaSuccess) {
+        cudaFree(p);
+        pd_fail(err, "cuda backend: zeroing %zu bytes: %s", bytes, cudaGetErrorString(e));
+        return NULL;
+    }
+    return p;
+}
+
+static void cu_free(pd_backend *be, void *p) {
+    if (!p) return;
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cudaStreamSynchronize(c->stream); /* queued ops may still read it */
+    cudaFree(p);
+}
+
+static int cu_copy(pd_backend *be, void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
+                   const char *what, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    if (bytes == 0) return 0;
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, c->stream);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return pd_fail(err, "cuda backend: %s of %zu bytes: %s", what, bytes,
+                       cudaGetErrorString(e));
+    }
+    return cu_wait(c, what, err);
+}
+
+static int cu_copy_h2d(pd_backend *be, void *dst, const void *src, size_t bytes, pd_err *err) {
+    return cu_copy(be, dst, src, bytes, cudaMemcpyHostToDevice, "copy to device", err);
+}
+
+static int cu_copy_d2h(pd_backend *be, void *dst, const void *src, size_t bytes, pd_err *err) {
+    return cu_copy(be, dst, src, bytes, cudaMemcpyDeviceToHost, "copy to host", err);
+}
+
+/* Grow a staging buffer to at least bytes. */
+static int cu_stage_reserve(pd_backend *be, void **buf, size_t *cap, size_t bytes, pd_err *err) {
+    if (*cap >= bytes) return 0;
+    cu_free(be, *buf);
+    *buf = NULL;
+    *cap = 0;
+    *buf = cu_alloc_raw(ctx_of(be), bytes, err);
+    if (!*buf) return -1;
+    *cap = bytes;
+    return 0;
+}
+
+static int cu_download_f32(pd_backend *be, float *dst, const void *src, size_t n, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    if (be->dtype == PD_F32) return cu_copy_d2h(be, dst, src, n * sizeof(float), err);
+    cu_enter(c);
+    if (cu_stage_reserve(be, (void **)&c->f32, &c->f32_bytes, n * sizeof(float), err) != 0)
+        return -1;
+    cuda_convert(c->stream, c->f32, PD_F32, src, be->dtype, n);
+    cu_check_launch(c, "download_f32");
+    return cu_copy_d2h(be, dst, c->f32, n * sizeof(float), err);
+}
+
+static int cu_upload_view(pd_backend *be, void *dst, const pd_view *v, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    if (!v->data) return pd_fail(err, "cuda backend: upload of an absent tensor");
+    if (v->dtype != PD_F32 && v->dtype != PD_F16 && v->dtype != PD_BF16)
+        return pd_fail(err, "cuda backend: unsupported weight dtype %d", (int)v->dtype);
+    const size_t n = (size_t)v->rows * (size_t)v->cols;
+    const size_t src_bytes = n * pd_dtype_size(v->dtype);
+    if (v->dtype == be->dtype) return cu_copy_h2d(be, dst, v->data, src_bytes, err);
+    /* Raw bytes to the staging buffer, then one conversion kernel into place. */
+    cu_enter(c);
+    if (cu_stage_reserve(be, &c->stage, &c->stage_bytes, src_bytes, err) != 0) return -1;
+    if (cu_copy_h2d(be, c->stage, v->data, src_bytes, err) != 0) return -1;
+    cuda_convert(c->stream, dst, be->dtype, c->stage, v->dtype, n);
+    cu_check_launch(c, "upload_view");
+    return 0;
+}
+
+static int cu_sync(pd_backend *be, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    return cu_wait(c, "sync", err);
+}
+
+/* ---- compute ---- */
+
+static cudaDataType cu_data_type(pd_dtype t) {
+    return t == PD_F16 ? CUDA_R_16F : t == PD_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+}
+
+static void cu_gemm(pd_backend *be, void *y, const void *x, int x_stride, const void *w,
+                    const void *bias, int T, int in, int out) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    if (T <= 0 || out <= 0) return;
+    const float one = 1.0f, zero = 0.0f;
+    const cudaDataType t = cu_data_type(be->dtype);
+    /* See the file comment: row-major y = x W^T is column-major y^T = W^T' x^T'. */
+    cublasStatus_t st =
+        cublasGemmEx(c->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, T, in, &one, w, t, in, x, t, x_stride,
+                     &zero, y, t, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "cublasGemmEx(T=%d, in=%d, out=%d): %s", T, in, out,
+                 cublasGetStatusString(st));
+        cu_defer(c, "gemm", msg);
+        return;
+    }
+    if (bias) {
+        cuda_bias_add(c->stream, be->dtype, y, bias, T, out);
+        cu_check_launch(c, "gemm bias");
+    }
+}
+
+static void cu_layer_norm(pd_backend *be, void *y, const void *x, const void *w, const void *b,
+                          int rows, int dim, float eps) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cuda_layer_norm(c->stream, be->dtype, y, x, w, b, rows, dim, eps);
+    cu_check_launch(c, "layer_norm");
+}
+
+static void cu_activation(pd_backend *be, void *x, size_t n, pd_activation act) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cuda_activation(c->stream, be->dtype, x, n, act);
+    cu_check_launch(c, "activation");
+}
+
+static void cu_add(pd_backend *be, void *y, const void *x, size_t n) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cuda_add(c->stream, be->dtype, y, x, n);
+    cu_check_launch(c, "add");
+}
+
+static void cu_embedding(pd_backend *be, void *y, const void *table, const int32_t *idx, int offset,
+                         int rows, int dim, int accumulate) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cuda_embedding(c->stream, be->dtype, y, table, idx, offset, rows, dim, accumulate);
+    cu_check_launch(c, "embedding");
+}
+
+static void cu_gather_rows(pd_backend *be, void *y, const void *x, const int32_t *rows, int n,
+                           int dim) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cuda_gather_rows(c->stream, be->dtype, y, x, rows, n, dim);
+    cu_check_launch(c, "gather_rows");
+}
+
+static void cu_kv_write(pd_backend *be, void *k_cache, void *v_cache, const void *k, const void *v,
+                        int stride, const pd_step_meta *meta, int kv_dim) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cuda_kv_write(c->stream, be->dtype, k_cache, v_cache, k, v, stride, meta->slot_mapping,
+                  meta->n_tokens, kv_dim);
+    cu_check_launch(c, "kv_write");
+}
+
+static void cu_paged_attention(pd_backend *be, void *out, const void *q, int q_stride,
+                               const void *k_cache, const void *v_cache, const pd_step_meta *meta,
+                               int heads, int head_dim, int block_size, float scale) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    if (head_dim > CUDA_MAX_HEAD_DIM || block_size <= 0) {
+        char msg[96];
+        snprintf(msg, sizeof msg, "head_dim %d (max %d) / block_size %d not supported", head_dim,
+                 CUDA_MAX_HEAD_DIM, block_size);
+        cu_defer(c, "paged_attention", msg);
+        return;
+    }
+    cuda_paged_attention(c->stream, be->dtype, out, q, q_stride, k_cache, v_cache, meta, heads,
+                         head_dim, block_size, scale);
+    cu_check_launch(c, "paged_attention");
+}
+
+/* ---- lifetime ---- */
+
+static void cu_destroy(pd_backend *be) {
+    if (!be) return;
+    cuda_ctx *c = ctx_of(be);
+    if (c) {
+        cu_enter(c);
+        if (c->stream) cudaStreamSynchronize(c->stream);
+        if (c->stage) cudaFree(c->stage);
+        if (c->f32) cudaFree(c->f32);
+        if (c->blas) cublasDestroy(c->blas);
+        if (c->stream) cudaStreamDestroy(c->stream);
+        free(c);
+    }
+    free(be);
+}
+
+extern "C" int pd_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+/* "cuda", "cuda-fp16", "cuda-bf16", each optionally ":N". */
+static int cu_parse_name(const char *name, pd_dtype *dtype, int *device, pd_err *err) {
+    const char *colon = strchr(name, ':');
+    const size_t base = colon ? (size_t)(colon - name) : strlen(name);
+    if (base == 4 && !strncmp(name, "cuda", 4))
+        *dtype = PD_F32;
+    else if (base == 9 && !strncmp(name, "cuda-fp16", 9))
+        *dtype = PD_F16;
+    else if (base == 9 && !strncmp(name, "cuda-bf16", 9))
+        *dtype = PD_BF16;
+    else
+        return pd_fail(err,
+                       "cuda backend: unknown variant '%s' (cuda, cuda-fp16, cuda-bf16, "
+                       "optionally :DEVICE)",
+                       name);
+    const char *dev = colon ? colon + 1 : getenv("PDSERVE_DEVICE");
+    *device = 0;
+    if (dev && dev[0]) {
+        char *end = NULL;
+        long d = strtol(dev, &end, 10);
+        if (*end || d < 0 || d > 1024)
+            return pd_fail(err, "cuda backend: device '%s' is not a device number%s", dev,
+                           colon ? "" : " (from PDSERVE_DEVICE)");
+        *device = (int)d;
+    }
+    return 0;
+}
+
+extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err *err) {
+    *out = NULL;
+    pd_dtype dtype = PD_F32;
+    int device = 0;
+    if (cu_parse_name(name, &dtype, &device, err) != 0) return -1;
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0) {
+        cudaGetLastError();
+        return pd_fail(err, "no CUDA device found (%s)",
+                       e != cudaSuccess ? cudaGetErrorString(e) : "0 devices visible");
+    }
+    if (device >= count)
+        return pd_fail(err, "cuda backend: device %d does not exist (%d visible)", device, count);
+    if ((e = cudaSetDevice(device)) != cudaSuccess)
+        return pd_fail(err, "cuda backend: cannot use device %d: %s", device,
+                       cudaGetErrorString(e));
+
+    pd_backend *be = (pd_backend *)calloc(1, sizeof *be);
+    cuda_ctx *c = (cuda_ctx *)calloc(1, sizeof *c);
+    if (!be || !c) {
+        free(be);
+        free(c);
+        return pd_fail(err, "cuda backend: out of memory");
+    }
+    be->ctx = c;
+    c->device = device;
+    if ((e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking)) != cudaSuccess) {
+        cu_destroy(be);
+        return pd_fail(err, "cuda backend: creating a stream on device %d: %s", device,
+                       cudaGetErrorString(e));
+    }
+    cublasStatus_t st = cublasCreate(&c->blas);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetStream(c->blas, c->stream);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        c->blas = NULL;
+        cu_destroy(be);
+        return pd_fail(err, "cuda backend: cuBLAS init on device %d: %s", device,
+                       cublasGetStatusString(st));
+    }
+    /* fp32 mode stays true fp32 (no TF32) so it matches the CPU backend. */
+    cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH);
+
+    cudaDeviceProp prop;
+    const char *gpu = cudaGetDeviceProperties(&prop, device) == cudaSuccess ? prop.name : "?";
+    snprintf(c->name, sizeof c->name, "cuda:%d(%s)", device, pd_dtype_name(dtype));
+    pd_log(PD_LOG_INFO, "cuda backend: device %d (%s), %s storage, fp32 accumulation", device, gpu,
+           pd_dtype_name(dtype));
+    be->name = c->name;
+    be->dtype = dtype;
+    be->elem_size = pd_dtype_size(dtype);
+    be->n_threads = 1;
+    be->alloc = cu_alloc;
+    be->free = cu_free;
+    be->copy_h2d = cu_copy_h2d;
+    be->copy_d2h = cu_copy_d2h;
+    be->download_f32 = cu_download_f32;
+    be->upload_view = cu_upload_view;
+    be->sync = cu_sync;
+    be->gemm = cu_gemm;
+    be->layer_norm = cu_layer_norm;
+    be->activation = cu_activation;
+    be->add = cu_add;
+    be->embedding = cu_embedding;
+    be->gather_rows = cu_gather_rows;
+    be->kv_write = cu_kv_write;
+    be->paged_attention = cu_paged_attention;
+    be->destroy = cu_destroy;
+    *out = be;
+    return 0;
+}

@@ -1,0 +1,92 @@
+/* cuda_internal: what the CUDA backend's files share (not a public API):
+ * the element types, the dtype dispatch, and the kernel launchers that
+ * cuda_backend.cu calls. Every launcher queues work on the given stream and
+ * returns at once; launch errors are picked up by the caller with
+ * cudaGetLastError (see cuda_backend.cu). */
+#ifndef PD_CUDA_INTERNAL_CUH
+#define PD_CUDA_INTERNAL_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+extern "C" {
+#include "model/backend.h"
+}
+
+/* ---- element types: storage is float, __half or __nv_bfloat16; math is float ---- */
+
+__device__ __forceinline__ float to_f32(float v) {
+    return v;
+}
+__device__ __forceinline__ float to_f32(__half v) {
+    return __half2float(v);
+}
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
+
+template <typename T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) {
+    return v;
+}
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) {
+    return __float2half_rn(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+/* Run the statement(s) with T bound to the C++ type of pd_dtype dt. */
+#define CUDA_DISPATCH(dt, T, ...)                                                                  \
+    switch (dt) {                                                                                  \
+    case PD_F32: {                                                                                 \
+        typedef float T;                                                                           \
+        __VA_ARGS__;                                                                               \
+    } break;                                                                                       \
+    case PD_F16: {                                                                                 \
+        typedef __half T;                                                                          \
+        __VA_ARGS__;                                                                               \
+    } break;                                                                                       \
+    case PD_BF16: {                                                                                \
+        typedef __nv_bfloat16 T;                                                                   \
+        __VA_ARGS__;                                                                               \
+    } break;                                                                                       \
+    }
+
+/* Blocks for a grid-stride loop over n items with `threads` per block. */
+static inline unsigned cuda_grid_for(size_t n, unsigned threads) {
+    size_t b = (n + threads - 1) / threads;
+    return (unsigned)(b > 65536 ? 65536 : (b ? b : 1));
+}
+
+/* ---- launchers (cuda_elementwise.cu) ---- */
+
+/* dst[i] = convert(src[i]) for n elements between any two of the three dtypes. */
+void cuda_convert(cudaStream_t s, void *dst, pd_dtype dst_t, const void *src, pd_dtype src_t,
+                  size_t n);
+/* y[t, o] += bias[o] for a [T, out] matrix. */
+void cuda_bias_add(cudaStream_t s, pd_dtype dt, void *y, const void *bias, int T, int out);
+void cuda_activation(cudaStream_t s, pd_dtype dt, void *x, size_t n, pd_activation act);
+void cuda_add(cudaStream_t s, pd_dtype dt, void *y, const void *x, size_t n);
+void cuda_embedding(cudaStream_t s, pd_dtype dt, void *y, const void *table, const int32_t *idx,
+                    int offset, int rows, int dim, int accumulate);
+void cuda_gather_rows(cudaStream_t s, pd_dtype dt, void *y, const void *x, const int32_t *rows,
+                      int n, int dim);
+void cuda_kv_write(cudaStream_t s, pd_dtype dt, void *k_cache, void *v_cache, const void *k,
+                   const void *v, int stride, const int32_t *slot_mapping, int T, int kv_dim);
+
+/* ---- launchers (cuda_layernorm.cu, cuda_attention.cu) ---- */
+
+void cuda_layer_norm(cudaStream_t s, pd_dtype dt, void *y, const void *x, const void *w,
+                     const void *b, int rows, int dim, float eps);
+
+/* Largest head_dim the attention kernel takes (16 values per lane of a warp). */
+#define CUDA_MAX_HEAD_DIM 512
+void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
+                          const void *k_cache, const void *v_cache, const pd_step_meta *meta,
+                          int heads, int head_dim, int block_size, float scale);
+
+#endif

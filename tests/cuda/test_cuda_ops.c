@@ -1,0 +1,406 @@
+/* test_cuda_ops: every op of the CUDA backend against the CPU backend (the
+ * reference) on the same random inputs.
+ *
+ * Each case uploads the same host data to both backends, runs the op on
+ * both, downloads both results and compares them: the largest absolute
+ * difference divided by the largest magnitude of the CPU result must stay
+ * under the variant's tolerance (1e-4 for "cuda" = fp32; looser for the
+ * 16-bit storage variants, whose inputs are rounded on upload). Covered:
+ * GEMM (T = 1, 3, 17, 64, 257; odd in/out; bias or not; strided x), layer
+ * norm (affine or not, in place), the four activations, add, embedding
+ * (offset, accumulate), gather_rows, kv_write (scattered slots, strided
+ * rows), and paged attention (block sizes 1/16/32, head_dim 8/64/80/128,
+ * sequences of different lengths mixing decode and prefill, scrambled
+ * block tables). Plus the error paths: an unknown variant, a missing
+ * device, an impossible allocation.
+ *
+ * Without a GPU (or without the CUDA build) it prints why and passes: the
+ * test carries the ctest label gpu and is meant for the GPU machine. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model/backend.h"
+#include "tests/common/testlib.h"
+
+#ifdef PDSERVE_HAVE_CUDA
+#include "model/cuda/cuda_backend.h"
+
+static uint64_t rng = 0x2545f4914f6cdd1dull;
+static uint32_t urand(void) {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (uint32_t)(rng >> 32);
+}
+static float frand(float lo, float hi) {
+    return lo + (hi - lo) * ((float)urand() / 4294967296.0f);
+}
+static float *rand_vec(size_t n, float lo, float hi) {
+    float *v = malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        v[i] = frand(lo, hi);
+    return v;
+}
+
+/* The backend under test and the reference, side by side. */
+typedef struct pair {
+    pd_backend *cpu, *gpu;
+    const char *variant;
+    double tol;
+} pair;
+
+/* Host fp32 data into backend memory (converted to the backend's dtype). */
+static void *up_f32(pd_backend *be, const float *h, size_t n) {
+    pd_err err;
+    void *d = be->alloc(be, (n ? n : 1) * be->elem_size, &err);
+    CHECKF(d != NULL, "%s", err.msg);
+    pd_view v = {h, PD_F32, 1, (int64_t)n};
+    if (d && n) CHECKF(be->upload_view(be, d, &v, &err) == 0, "%s", err.msg);
+    return d;
+}
+static int32_t *up_i32(pd_backend *be, const int32_t *h, size_t n) {
+    pd_err err;
+    int32_t *d = be->alloc(be, (n ? n : 1) * sizeof(int32_t), &err);
+    CHECKF(d != NULL, "%s", err.msg);
+    if (d && n) CHECKF(be->copy_h2d(be, d, h, n * sizeof(int32_t), &err) == 0, "%s", err.msg);
+    return d;
+}
+static float *down(pd_backend *be, const void *d, size_t n) {
+    pd_err err;
+    float *h = calloc(n ? n : 1, sizeof(float));
+    CHECKF(be->download_f32(be, h, d, n, &err) == 0, "%s: %s", be->name, err.msg);
+    return h;
+}
+
+/* Download both results and compare them (see the file comment). */
+static void compare(const pair *p, const char *what, const void *dc, const void *dg, size_t n) {
+    float *c = down(p->cpu, dc, n), *g = down(p->gpu, dg, n);
+    double max_diff = 0, max_ref = 0;
+    size_t worst = 0;
+    int nan = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(g[i]) != isnan(c[i])) nan = 1;
+        const double d = fabs((double)c[i] - g[i]);
+        if (d > max_diff) max_diff = d, worst = i;
+        if (fabs(c[i]) > max_ref) max_ref = fabs(c[i]);
+    }
+    const double rel = max_diff / (max_ref > 1e-30 ? max_ref : 1e-30);
+    CHECKF(!nan && rel <= p->tol,
+           "%s %s: max diff %.3g at %zu (cpu %.7g gpu %.7g), rel %.3g > %.1g", p->variant, what,
+           max_diff, worst, n ? c[worst] : 0.0, n ? g[worst] : 0.0, rel, p->tol);
+    free(c);
+    free(g);
+}
+
+static void sync_ok(const pair *p, const char *what) {
+    pd_err err;
+    CHECKF(p->gpu->sync(p->gpu, &err) == 0, "%s %s: %s", p->variant, what, err.msg);
+}
+
+/* ---- GEMM ---- */
+
+static void test_gemm(const pair *p) {
+    const int Ts[] = {1, 3, 17, 64, 257};
+    const int shapes[][2] = {{1, 1}, {7, 13}, {64, 192}, {80, 257}, {300, 33}};
+    int k = 0;
+    for (size_t a = 0; a < sizeof Ts / sizeof Ts[0]; a++)
+        for (size_t b = 0; b < sizeof shapes / sizeof shapes[0]; b++, k++) {
+            const int T = Ts[a], in = shapes[b][0], out = shapes[b][1];
+            const int stride = in + (k % 3 == 0 ? 5 : 0), with_bias = k % 2;
+            float *x = rand_vec((size_t)T * stride, -1, 1);
+            float *w = rand_vec((size_t)out * in, -1, 1);
+            float *bias = rand_vec((size_t)out, -1, 1);
+            void *xc = up_f32(p->cpu, x, (size_t)T * stride),
+                 *xg = up_f32(p->gpu, x, (size_t)T * stride);
+            void *wc = up_f32(p->cpu, w, (size_t)out * in),
+                 *wg = up_f32(p->gpu, w, (size_t)out * in);
+            void *bc = up_f32(p->cpu, bias, out), *bg = up_f32(p->gpu, bias, out);
+            pd_err err;
+            void *yc = p->cpu->alloc(p->cpu, (size_t)T * out * p->cpu->elem_size, &err);
+            void *yg = p->gpu->alloc(p->gpu, (size_t)T * out * p->gpu->elem_size, &err);
+            p->cpu->gemm(p->cpu, yc, xc, stride, wc, with_bias ? bc : NULL, T, in, out);
+            p->gpu->gemm(p->gpu, yg, xg, stride, wg, with_bias ? bg : NULL, T, in, out);
+            sync_ok(p, "gemm");
+            char what[96];
+            snprintf(what, sizeof what, "gemm T=%d in=%d out=%d stride=%d bias=%d", T, in, out,
+                     stride, with_bias);
+            compare(p, what, yc, yg, (size_t)T * out);
+            void *ptrs[][2] = {{xc, xg}, {wc, wg}, {bc, bg}, {yc, yg}};
+            for (int i = 0; i < 4; i++) {
+                p->cpu->free(p->cpu, ptrs[i][0]);
+                p->gpu->free(p->gpu, ptrs[i][1]);
+            }
+            free(x), free(w), free(bias);
+        }
+}
+
+/* ---- layer norm, activation, add ---- */
+
+static void test_layer_norm(const pair *p) {
+    const int shapes[][2] = {{1, 1}, {3, 7}, {33, 80}, {5, 768}, {2, 1000}, {17, 4097}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int mode = 0; mode < 3; mode++) { /* 0: affine, 1: plain, 2: affine in place */
+            const int rows = shapes[s][0], dim = shapes[s][1];
+            const size_t n = (size_t)rows * dim;
+            float *x = rand_vec(n, -3, 5), *w = rand_vec(dim, 0.5f, 1.5f),
+                  *b = rand_vec(dim, -1, 1);
+            void *xc = up_f32(p->cpu, x, n), *xg = up_f32(p->gpu, x, n);
+            void *wc = up_f32(p->cpu, w, dim), *wg = up_f32(p->gpu, w, dim);
+            void *bc = up_f32(p->cpu, b, dim), *bg = up_f32(p->gpu, b, dim);
+            void *yc = mode == 2 ? xc : up_f32(p->cpu, x, n);
+            void *yg = mode == 2 ? xg : up_f32(p->gpu, x, n);
+            p->cpu->layer_norm(p->cpu, yc, xc, mode == 1 ? NULL : wc, mode == 1 ? NULL : bc, rows,
+                               dim, 1e-5f);
+            p->gpu->layer_norm(p->gpu, yg, xg, mode == 1 ? NULL : wg, mode == 1 ? NULL : bg, rows,
+                               dim, 1e-5f);
+            sync_ok(p, "layer_norm");
+            char what[80];
+            snprintf(what, sizeof what, "layer_norm rows=%d dim=%d mode=%d", rows, dim, mode);
+            compare(p, what, yc, yg, n);
+            if (mode != 2) p->cpu->free(p->cpu, yc), p->gpu->free(p->gpu, yg);
+            p->cpu->free(p->cpu, xc), p->gpu->free(p->gpu, xg);
+            p->cpu->free(p->cpu, wc), p->gpu->free(p->gpu, wg);
+            p->cpu->free(p->cpu, bc), p->gpu->free(p->gpu, bg);
+            free(x), free(w), free(b);
+        }
+}
+
+static void test_elementwise(const pair *p) {
+    const size_t sizes[] = {1, 1000, 70001};
+    const pd_activation acts[] = {PD_ACT_RELU, PD_ACT_GELU, PD_ACT_GELU_NEW, PD_ACT_SILU};
+    for (size_t s = 0; s < 3; s++) {
+        const size_t n = sizes[s];
+        for (int a = 0; a < 4; a++) {
+            float *x = rand_vec(n, -4, 4);
+            void *xc = up_f32(p->cpu, x, n), *xg = up_f32(p->gpu, x, n);
+            p->cpu->activation(p->cpu, xc, n, acts[a]);
+            p->gpu->activation(p->gpu, xg, n, acts[a]);
+            sync_ok(p, "activation");
+            char what[64];
+            snprintf(what, sizeof what, "activation %d n=%zu", (int)acts[a], n);
+            compare(p, what, xc, xg, n);
+            p->cpu->free(p->cpu, xc), p->gpu->free(p->gpu, xg);
+            free(x);
+        }
+        float *x = rand_vec(n, -2, 2), *y = rand_vec(n, -2, 2);
+        void *xc = up_f32(p->cpu, x, n), *xg = up_f32(p->gpu, x, n);
+        void *yc = up_f32(p->cpu, y, n), *yg = up_f32(p->gpu, y, n);
+        p->cpu->add(p->cpu, yc, xc, n);
+        p->gpu->add(p->gpu, yg, xg, n);
+        char what[64];
+        snprintf(what, sizeof what, "add n=%zu", n);
+        compare(p, what, yc, yg, n);
+        p->cpu->free(p->cpu, xc), p->gpu->free(p->gpu, xg);
+        p->cpu->free(p->cpu, yc), p->gpu->free(p->gpu, yg);
+        free(x), free(y);
+    }
+}
+
+/* ---- embedding, gather_rows, kv_write ---- */
+
+static void test_rows(const pair *p) {
+    /* embedding: assign then accumulate, with the position table's offset of 2 */
+    const int V = 50, dim = 80, rows = 23;
+    float *table = rand_vec((size_t)V * dim, -1, 1), *y0 = rand_vec((size_t)rows * dim, -1, 1);
+    int32_t idx[23];
+    for (int t = 0; t < rows; t++)
+        idx[t] = (int32_t)(urand() % (V - 2));
+    void *tc = up_f32(p->cpu, table, (size_t)V * dim), *tg = up_f32(p->gpu, table, (size_t)V * dim);
+    int32_t *ic = up_i32(p->cpu, idx, rows), *ig = up_i32(p->gpu, idx, rows);
+    void *yc = up_f32(p->cpu, y0, (size_t)rows * dim), *yg = up_f32(p->gpu, y0, (size_t)rows * dim);
+    p->cpu->embedding(p->cpu, yc, tc, ic, 0, rows, dim, 0);
+    p->gpu->embedding(p->gpu, yg, tg, ig, 0, rows, dim, 0);
+    compare(p, "embedding", yc, yg, (size_t)rows * dim);
+    p->cpu->embedding(p->cpu, yc, tc, ic, 2, rows, dim, 1);
+    p->gpu->embedding(p->gpu, yg, tg, ig, 2, rows, dim, 1);
+    compare(p, "embedding offset 2 accumulate", yc, yg, (size_t)rows * dim);
+
+    /* gather_rows: 17 rows of a [V, dim] matrix, with repeats */
+    int32_t pick[17];
+    for (int i = 0; i < 17; i++)
+        pick[i] = (int32_t)(urand() % V);
+    int32_t *pc = up_i32(p->cpu, pick, 17), *pg = up_i32(p->gpu, pick, 17);
+    p->cpu->gather_rows(p->cpu, yc, tc, pc, 17, dim);
+    p->gpu->gather_rows(p->gpu, yg, tg, pg, 17, dim);
+    compare(p, "gather_rows", yc, yg, (size_t)17 * dim);
+
+    /* kv_write: 20 tokens' k and v (rows 3*kv_dim apart, as in the fused qkv
+     * buffer) into distinct scattered slots of a prefilled cache */
+    const int slots = 64, kv_dim = 48, T = 20, stride = 3 * kv_dim;
+    float *kc0 = rand_vec((size_t)slots * kv_dim, -1, 1),
+          *vc0 = rand_vec((size_t)slots * kv_dim, -1, 1);
+    float *qkv = rand_vec((size_t)T * stride, -1, 1);
+    int32_t perm[64], slot_map[20];
+    for (int i = 0; i < slots; i++)
+        perm[i] = i;
+    for (int i = slots - 1; i > 0; i--) {
+        int j = (int)(urand() % (uint32_t)(i + 1)), t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    memcpy(slot_map, perm, sizeof slot_map);
+    void *kcc = up_f32(p->cpu, kc0, (size_t)slots * kv_dim),
+         *kcg = up_f32(p->gpu, kc0, (size_t)slots * kv_dim);
+    void *vcc = up_f32(p->cpu, vc0, (size_t)slots * kv_dim),
+         *vcg = up_f32(p->gpu, vc0, (size_t)slots * kv_dim);
+    void *qc = up_f32(p->cpu, qkv, (size_t)T * stride),
+         *qg = up_f32(p->gpu, qkv, (size_t)T * stride);
+    int32_t *sc = up_i32(p->cpu, slot_map, T), *sg = up_i32(p->gpu, slot_map, T);
+    pd_step_meta mc = {.n_tokens = T, .slot_mapping = sc}, mg = {.n_tokens = T, .slot_mapping = sg};
+    const size_t es_c = p->cpu->elem_size, es_g = p->gpu->elem_size;
+    p->cpu->kv_write(p->cpu, kcc, vcc, (char *)qc + kv_dim * es_c, (char *)qc + 2 * kv_dim * es_c,
+                     stride, &mc, kv_dim);
+    p->gpu->kv_write(p->gpu, kcg, vcg, (char *)qg + kv_dim * es_g, (char *)qg + 2 * kv_dim * es_g,
+                     stride, &mg, kv_dim);
+    sync_ok(p, "kv_write");
+    compare(p, "kv_write k cache", kcc, kcg, (size_t)slots * kv_dim);
+    compare(p, "kv_write v cache", vcc, vcg, (size_t)slots * kv_dim);
+
+    void *ptrs[][2] = {{tc, tg},   {ic, ig},   {yc, yg}, {pc, pg},
+                       {kcc, kcg}, {vcc, vcg}, {qc, qg}, {sc, sg}};
+    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) {
+        p->cpu->free(p->cpu, ptrs[i][0]);
+        p->gpu->free(p->gpu, ptrs[i][1]);
+    }
+    free(table), free(y0), free(kc0), free(vc0), free(qkv);
+}
+
+/* ---- paged attention ---- */
+
+/* Sequences of one step: (tokens already cached, new tokens). Mixes a first
+ * decode token, a prefill chunk after a cached prefix, a whole prompt, a
+ * decode step deep in a sequence, and a one-token prompt. */
+static const int attn_seqs[][2] = {{0, 1}, {12, 5}, {0, 70}, {40, 1}, {0, 1}, {33, 31}};
+#define ATTN_NSEQ ((int)(sizeof attn_seqs / sizeof attn_seqs[0]))
+
+static void attention_case(const pair *p, int bs, int heads, int hd) {
+    int T = 0, max_blocks = 0, total_blocks = 0;
+    for (int s = 0; s < ATTN_NSEQ; s++) {
+        const int len = attn_seqs[s][0] + attn_seqs[s][1], nb = (len + bs - 1) / bs;
+        T += attn_seqs[s][1];
+        total_blocks += nb;
+        if (nb > max_blocks) max_blocks = nb;
+    }
+    const int num_blocks = total_blocks + 3; /* some blocks belong to no one */
+    int32_t *perm = malloc(sizeof(int32_t) * (size_t)num_blocks);
+    for (int i = 0; i < num_blocks; i++)
+        perm[i] = i;
+    for (int i = num_blocks - 1; i > 0; i--) { /* scrambled block tables */
+        int j = (int)(urand() % (uint32_t)(i + 1)), t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)T), *seq = malloc(sizeof(int32_t) * (size_t)T);
+    int32_t *tables = malloc(sizeof(int32_t) * (size_t)(ATTN_NSEQ * max_blocks));
+    int32_t lens[ATTN_NSEQ];
+    int t = 0, next = 0;
+    for (int s = 0; s < ATTN_NSEQ; s++) {
+        const int len = attn_seqs[s][0] + attn_seqs[s][1], nb = (len + bs - 1) / bs;
+        for (int b = 0; b < max_blocks; b++)
+            tables[s * max_blocks + b] = b < nb ? perm[next++] : -1;
+        for (int j = 0; j < attn_seqs[s][1]; j++, t++) {
+            pos[t] = attn_seqs[s][0] + j;
+            seq[t] = s;
+        }
+        lens[s] = len;
+    }
+    const size_t row = (size_t)heads * hd, cache_n = (size_t)num_blocks * bs * row;
+    const int q_stride = 3 * (int)row;
+    float *kc = rand_vec(cache_n, -1, 1), *vc = rand_vec(cache_n, -1, 1);
+    float *q = rand_vec((size_t)T * q_stride, -2, 2); /* peaky enough to move the max often */
+    pd_backend *be[2] = {p->cpu, p->gpu};
+    void *dk[2], *dv[2], *dq[2], *dout[2];
+    int32_t *dpos[2], *dseq[2], *dtab[2], *dlen[2];
+    for (int i = 0; i < 2; i++) {
+        pd_err err;
+        dk[i] = up_f32(be[i], kc, cache_n);
+        dv[i] = up_f32(be[i], vc, cache_n);
+        dq[i] = up_f32(be[i], q, (size_t)T * q_stride);
+        dout[i] = be[i]->alloc(be[i], (size_t)T * row * be[i]->elem_size, &err);
+        dpos[i] = up_i32(be[i], pos, T);
+        dseq[i] = up_i32(be[i], seq, T);
+        dtab[i] = up_i32(be[i], tables, (size_t)ATTN_NSEQ * max_blocks);
+        dlen[i] = up_i32(be[i], lens, ATTN_NSEQ);
+        pd_step_meta m = {.n_tokens = T,
+                          .n_seqs = ATTN_NSEQ,
+                          .max_blocks = max_blocks,
+                          .positions = dpos[i],
+                          .token_seq = dseq[i],
+                          .block_tables = dtab[i],
+                          .seq_lens = dlen[i]};
+        be[i]->paged_attention(be[i], dout[i], dq[i], q_stride, dk[i], dv[i], &m, heads, hd, bs,
+                               1.0f / sqrtf((float)hd));
+    }
+    sync_ok(p, "paged_attention");
+    char what[96];
+    snprintf(what, sizeof what, "paged_attention bs=%d heads=%d head_dim=%d", bs, heads, hd);
+    compare(p, what, dout[0], dout[1], (size_t)T * row);
+    for (int i = 0; i < 2; i++) {
+        void *ptrs[] = {dk[i], dv[i], dq[i], dout[i], dpos[i], dseq[i], dtab[i], dlen[i]};
+        for (int k = 0; k < 8; k++)
+            be[i]->free(be[i], ptrs[k]);
+    }
+    free(perm), free(pos), free(seq), free(tables), free(kc), free(vc), free(q);
+}
+
+static void test_attention(const pair *p) {
+    const int block_sizes[] = {1, 16, 32};
+    const int dims[][2] = {{3, 64}, {2, 80}, {4, 8}, {1, 128}}; /* heads, head_dim */
+    for (int b = 0; b < 3; b++)
+        for (int d = 0; d < 4; d++)
+            attention_case(p, block_sizes[b], dims[d][0], dims[d][1]);
+}
+
+/* ---- errors ---- */
+
+static void test_errors(void) {
+    pd_backend *be = NULL;
+    pd_err err;
+    CHECK(pd_backend_create("cuda-fp8", 0, &be, &err) != 0 && !be);
+    CHECKF(strstr(err.msg, "cuda-fp8") != NULL, "%s", err.msg);
+    CHECK(pd_backend_create("cuda:999", 0, &be, &err) != 0 && !be);
+    CHECKF(strstr(err.msg, "999") && strstr(err.msg, "does not exist"), "%s", err.msg);
+    CHECK(pd_backend_create("cuda", 0, &be, &err) == 0);
+    if (!be) return;
+    const size_t huge = (size_t)1 << 52;
+    void *p = be->alloc(be, huge, &err);
+    CHECK(p == NULL);
+    CHECKF(strstr(err.msg, "out of device memory") && strstr(err.msg, "4503599627370496"), "%s",
+           err.msg);
+    CHECKF(be->sync(be, &err) == 0, "the backend stays usable after a failed alloc: %s", err.msg);
+    pd_backend_destroy(be);
+}
+
+static void run_variant(const char *variant, double tol) {
+    pair p = {.variant = variant, .tol = tol};
+    pd_err err;
+    CHECKF(pd_backend_create("cpu", 2, &p.cpu, &err) == 0, "%s", err.msg);
+    CHECKF(pd_backend_create(variant, 0, &p.gpu, &err) == 0, "%s: %s", variant, err.msg);
+    if (p.cpu && p.gpu) {
+        test_gemm(&p);
+        test_layer_norm(&p);
+        test_elementwise(&p);
+        test_rows(&p);
+        test_attention(&p);
+    }
+    pd_backend_destroy(p.gpu);
+    pd_backend_destroy(p.cpu);
+}
+#endif
+
+int main(void) {
+#ifndef PDSERVE_HAVE_CUDA
+    printf("built without the CUDA backend: skipped\n");
+    return 0;
+#else
+    if (pd_cuda_device_count() == 0) {
+        printf("no GPU: skipped\n");
+        return 0;
+    }
+    test_errors();
+    run_variant("cuda", 1e-4);
+    /* 16-bit storage rounds every input and output: ~3 (fp16) and ~2 (bf16)
+     * significant digits against the fp32 reference. */
+    run_variant("cuda-fp16", 1e-2);
+    run_variant("cuda-bf16", 4e-2);
+    return test_finish();
+#endif
+}
