@@ -82,6 +82,88 @@ __global__ void paged_attention_kernel(T *out, const T *q, int q_stride, const T
     }
 }
 
+/* The block version: one thread block of ATTN_THREADS per (token, head),
+ * for contexts whose scores fit in shared memory. The positions are split
+ * across all the block's threads instead of walked one by one by a single
+ * warp, which is what a decode step (few tokens, long contexts) needs:
+ *   1. each thread scores its positions p = tid, tid + ATTN_THREADS, ...
+ *      (q . k over head_dim, q pre-scaled, fp32) into shared memory;
+ *   2. block-wide max, then e_p = exp(s_p - max) in place and their sum;
+ *   3. the threads form groups of head_dim lanes; group g accumulates
+ *      sum_p e_p v[p][d] over positions p = g, g + groups, ... (coalesced
+ *      reads of V rows), the groups' partial sums are added in shared
+ *      memory in a fixed order, and the result is divided by the sum.
+ * Each (token, head) is computed the same way whatever else is in the step,
+ * so results do not depend on the batch. */
+#define ATTN_THREADS 256
+
+__device__ __forceinline__ float block_reduce(float v, float *red, bool is_max) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, w) : v + w;
+    }
+    __syncthreads(); /* red may still be read from a previous reduction */
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = red[0];
+    for (int i = 1; i < ATTN_THREADS / 32; i++) r = is_max ? fmaxf(r, red[i]) : r + red[i];
+    return r;
+}
+
+template <typename T>
+__global__ void paged_attention_block_kernel(T *out, const T *q, int q_stride, const T *k_cache,
+                                             const T *v_cache, const int32_t *positions,
+                                             const int32_t *token_seq, const int32_t *block_tables,
+                                             int max_blocks, int heads, int head_dim, int block_size,
+                                             float scale) {
+    extern __shared__ float smem[]; /* [head_dim] q, [ATTN_THREADS] partial outputs, [ctx] scores */
+    __shared__ float red[ATTN_THREADS / 32];
+    const int t = blockIdx.x / heads, h = blockIdx.x % heads;
+    const int n_ctx = positions[t] + 1;
+    const int32_t *table = block_tables + (size_t)token_seq[t] * max_blocks;
+    const size_t row = (size_t)heads * head_dim;
+    float *qs = smem, *part = smem + head_dim, *scores = part + ATTN_THREADS;
+    const T *qt = q + (size_t)t * q_stride + (size_t)h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += ATTN_THREADS) qs[d] = to_f32(qt[d]) * scale;
+    __syncthreads();
+
+    float mx = -INFINITY;
+    for (int p = threadIdx.x; p < n_ctx; p += ATTN_THREADS) {
+        const size_t slot = (size_t)table[p / block_size] * block_size + (size_t)(p % block_size);
+        const T *k = k_cache + slot * row + (size_t)h * head_dim;
+        float sc = 0.0f;
+        for (int d = 0; d < head_dim; d++) sc += qs[d] * to_f32(k[d]);
+        scores[p] = sc;
+        mx = fmaxf(mx, sc);
+    }
+    mx = block_reduce(mx, red, true);
+    float sum = 0.0f;
+    for (int p = threadIdx.x; p < n_ctx; p += ATTN_THREADS) {
+        const float e = expf(scores[p] - mx);
+        scores[p] = e;
+        sum += e;
+    }
+    sum = block_reduce(sum, red, false); /* its barriers also publish scores[] */
+
+    const int groups = ATTN_THREADS / head_dim; /* head_dim <= ATTN_THREADS here */
+    const int g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
+    float acc = 0.0f;
+    if (g < groups) {
+        for (int p = g; p < n_ctx; p += groups) {
+            const size_t slot = (size_t)table[p / block_size] * block_size + (size_t)(p % block_size);
+            acc += scores[p] * to_f32(v_cache[slot * row + (size_t)h * head_dim + d]);
+        }
+    }
+    part[threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.x < head_dim) {
+        float o = 0.0f;
+        for (int i = 0; i < groups; i++) o += part[i * head_dim + threadIdx.x];
+        out[(size_t)t * row + (size_t)h * head_dim + threadIdx.x] = from_f32<T>(o / sum);
+    }
+}
+
 template <typename T, int PER_LANE>
 static void attention_launch(cudaStream_t s, void *out, const void *q, int q_stride,
                              const void *k_cache, const void *v_cache, const pd_step_meta *m,
@@ -113,10 +195,37 @@ static void attention_pick(cudaStream_t s, void *out, const void *q, int q_strid
         attention_launch<T, 16>(s, out, q, q_stride, k_cache, v_cache, m, heads, hd, bs, scale);
 }
 
+/* Shared memory the block kernel needs for a context of n positions. */
+static size_t block_smem(int head_dim, int n) {
+    return sizeof(float) * ((size_t)head_dim + ATTN_THREADS + (size_t)n);
+}
+
+template <typename T>
+static void attention_block_launch(cudaStream_t s, void *out, const void *q, int q_stride,
+                                   const void *k_cache, const void *v_cache, const pd_step_meta *m,
+                                   int heads, int head_dim, int block_size, float scale, size_t smem) {
+    paged_attention_block_kernel<T><<<(unsigned)(m->n_tokens * heads), ATTN_THREADS, smem, s>>>(
+        (T *)out, (const T *)q, q_stride, (const T *)k_cache, (const T *)v_cache, m->positions,
+        m->token_seq, m->block_tables, m->max_blocks, heads, head_dim, block_size, scale);
+}
+
 void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                           const void *k_cache, const void *v_cache, const pd_step_meta *meta,
                           int heads, int head_dim, int block_size, float scale) {
     if (meta->n_tokens <= 0 || heads <= 0 || head_dim <= 0) return;
+    /* The longest context a step can have is max_blocks * block_size (the
+     * block-table row length), known on the host without reading positions. */
+    const int max_ctx = meta->max_blocks * block_size;
+    const size_t smem = block_smem(head_dim, max_ctx);
+    /* Few queries (decode): spread each one's positions over a whole block.
+     * Many queries (prefill): one warp each already fills the GPU. */
+    const bool few_queries = (long)meta->n_tokens * heads < 2048;
+    if (few_queries && head_dim <= ATTN_THREADS && smem <= 48 * 1024) {
+        CUDA_DISPATCH(dt, E,
+                      attention_block_launch<E>(s, out, q, q_stride, k_cache, v_cache, meta, heads,
+                                                head_dim, block_size, scale, smem))
+        return;
+    }
     CUDA_DISPATCH(dt, E,
                   attention_pick<E>(s, out, q, q_stride, k_cache, v_cache, meta, heads, head_dim,
                                     block_size, scale))
