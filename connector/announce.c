@@ -3,13 +3,8 @@
  * wakes it at once instead of waiting out the interval. */
 #include "connector/announce.h"
 
-#include <arpa/inet.h>
-#include <cjson/cJSON.h>
 #include <errno.h>
-#include <ifaddrs.h>
 #include <msgpack.h>
-#include <net/if.h>
-#include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -162,105 +157,34 @@ void announcer_stop(announcer *a) {
     announcer_free(a);
 }
 
-/* ---- from --kv-transfer-config ------------------------------------------ */
-
-/* A port given as a number or a numeric string; 0 when absent. */
-static int json_port(const cJSON *obj, const char *key, int *out, pd_err *err) {
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
-    *out = 0;
-    if (!v || cJSON_IsNull(v)) return 0;
-    long p = -1;
-    if (cJSON_IsNumber(v)) {
-        p = (long)v->valuedouble;
-        if ((double)p != v->valuedouble) p = -1;
-    } else if (cJSON_IsString(v)) {
-        char *end = NULL;
-        p = strtol(v->valuestring, &end, 10);
-        if (end == v->valuestring || *end) p = -1;
-    }
-    if (p < 1 || p > 65535)
-        return pd_fail(err, "--kv-transfer-config: %s must be a port number in [1, 65535]", key);
-    *out = (int)p;
-    return 0;
-}
-
-/* The first non-loopback IPv4 address of this host, else 127.0.0.1. */
-static void first_address(char *out, size_t cap) {
-    snprintf(out, cap, "127.0.0.1");
-    struct ifaddrs *ifs = NULL;
-    if (getifaddrs(&ifs) != 0) return;
-    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
-        if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || (i->ifa_flags & IFF_LOOPBACK) ||
-            !(i->ifa_flags & IFF_UP))
-            continue;
-        inet_ntop(AF_INET, &((struct sockaddr_in *)i->ifa_addr)->sin_addr, out, (socklen_t)cap);
-        break;
-    }
-    freeifaddrs(ifs);
-}
+/* ---- for a connector instance ------------------------------------------ */
 
 static bool specific_host(const char *h) {
     return h && h[0] && strcmp(h, "0.0.0.0") && strcmp(h, "::");
 }
 
-int announcer_start_from_kv_config(const char *kv_json, const char *host, int http_port,
-                                   announcer **out, pd_err *err) {
+int announcer_start_for_instance(const kv_transfer_config *kv, const char *kv_address, const char *host,
+                                 int http_port, announcer **out, pd_err *err) {
     *out = NULL;
-    cJSON *root = cJSON_Parse(kv_json);
-    if (!root || !cJSON_IsObject(root)) {
-        cJSON_Delete(root);
-        return pd_fail(err, "--kv-transfer-config: not a JSON object");
-    }
-    int rc = 0;
-    const cJSON *extra = cJSON_GetObjectItemCaseSensitive(root, "kv_connector_extra_config");
-    const cJSON *pip =
-        cJSON_IsObject(extra) ? cJSON_GetObjectItemCaseSensitive(extra, "proxy_ip") : NULL;
-    int proxy_port = 0, adv_http = 0, kv_port = 0;
-    if (!cJSON_IsObject(extra) || !pip) goto done; /* no proxy: nothing to announce */
-    if (!cJSON_IsString(pip) || !pip->valuestring[0]) {
-        rc = pd_fail(err, "--kv-transfer-config: proxy_ip must be a non-empty string");
-        goto done;
-    }
-    if (json_port(extra, "proxy_port", &proxy_port, err) != 0 ||
-        json_port(extra, "http_port", &adv_http, err) != 0 ||
-        json_port(root, "kv_port", &kv_port, err) != 0) {
-        rc = -1;
-        goto done;
-    }
-    if (!proxy_port) {
-        rc = pd_fail(err, "--kv-transfer-config: proxy_ip is set but proxy_port is missing");
-        goto done;
-    }
-    const cJSON *role = cJSON_GetObjectItemCaseSensitive(root, "kv_role");
-    const char *r = cJSON_IsString(role) ? role->valuestring : "";
+    if (!kv->proxy_ip[0]) return 0; /* no proxy: nothing to announce */
     announce_config c = {
-        .proxy_ip = pip->valuestring,
-        .proxy_port = proxy_port,
-        .prefill = !strcmp(r, "kv_producer") || !strcmp(r, "kv_both"),
-        .decode = !strcmp(r, "kv_consumer") || !strcmp(r, "kv_both"),
+        .proxy_ip = kv->proxy_ip,
+        .proxy_port = kv->proxy_port,
+        .prefill = kv->role != KV_ROLE_CONSUMER,
+        .decode = kv->role != KV_ROLE_PRODUCER,
+        .zmq_address = kv_address,
+        .interval_ms = (int)(kv->announce_interval_s * 1000),
     };
-    if (!c.prefill && !c.decode) {
-        rc = pd_fail(err, "--kv-transfer-config: kv_role '%s' cannot be announced", r);
-        goto done;
-    }
-    /* The advertised addresses: kv_ip when given; the HTTP side prefers a
-     * specific --host (that is where the server listens). */
-    const cJSON *kvip = cJSON_GetObjectItemCaseSensitive(root, "kv_ip");
-    char auto_ip[64], http_addr[128], zmq_addr[128];
-    first_address(auto_ip, sizeof auto_ip);
-    const char *kv_host = cJSON_IsString(kvip) && kvip->valuestring[0] ? kvip->valuestring
-                          : specific_host(host)                        ? host
-                                                                       : auto_ip;
-    const char *http_host = specific_host(host) ? host : kv_host;
-    snprintf(http_addr, sizeof http_addr, "%s:%d", http_host, adv_http ? adv_http : http_port);
-    snprintf(zmq_addr, sizeof zmq_addr, "%s:%d", kv_host,
-             kv_port ? kv_port : ANNOUNCE_DEFAULT_KV_PORT);
+    /* The HTTP address: a specific --host is where the server listens;
+     * otherwise the address the KV side advertises. */
+    const char *colon = strrchr(kv_address, ':');
+    char http_addr[160], kv_host[128];
+    snprintf(kv_host, sizeof kv_host, "%.*s", colon ? (int)(colon - kv_address) : (int)strlen(kv_address),
+             kv_address);
+    snprintf(http_addr, sizeof http_addr, "%s:%d", specific_host(host) ? host : kv_host,
+             kv->http_port ? kv->http_port : http_port);
     c.http_address = http_addr;
-    c.zmq_address = zmq_addr;
     const char *iv = getenv("PDSERVE_ANNOUNCE_INTERVAL_MS"); /* tests shorten the interval */
     if (iv) c.interval_ms = atoi(iv);
-    rc = announcer_start(&c, out, err);
-done:
-    cJSON_Delete(root);
-    return rc;
+    return announcer_start(&c, out, err);
 }

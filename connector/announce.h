@@ -12,6 +12,7 @@
 #include <stddef.h>
 
 #include "common/pd_common.h"
+#include "connector/connector.h"
 
 #define ANNOUNCE_DEFAULT_INTERVAL_MS 3000
 #define ANNOUNCE_DEFAULT_KV_PORT 14579
@@ -36,12 +37,12 @@ void announcer_stop(announcer *a);
 int announce_encode(const char *type, const char *http_address, const char *zmq_address, char **buf,
                     size_t *len, pd_err *err);
 
-/* For `pdserve serve`: read --kv-transfer-config JSON and, when it names a
- * proxy (kv_connector_extra_config.proxy_ip / proxy_port), start an announcer
- * for this instance. host is --host (NULL or "0.0.0.0": pick an address),
- * http_port the port the HTTP server listens on. *out stays NULL when no
- * proxy is configured. */
-int announcer_start_from_kv_config(const char *kv_json, const char *host, int http_port,
-                                   announcer **out, pd_err *err);
+/* For `pdserve serve`: when the parsed --kv-transfer-config names a proxy,
+ * announce this instance — as P, D or both by kv_role, at kv_address (the
+ * connector's bound "ip:port") and at an HTTP address made of host (--host;
+ * NULL or "0.0.0.0": the KV address's host) and http_port (or the config's
+ * http_port). *out stays NULL when no proxy is configured. */
+int announcer_start_for_instance(const kv_transfer_config *kv, const char *kv_address, const char *host,
+                                 int http_port, announcer **out, pd_err *err);
 
 #endif

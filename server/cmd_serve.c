@@ -85,9 +85,9 @@ static int serve_run(const serve_options *o, serve_state *st, pd_err *err) {
            st->model_dir, name, o->host ? o->host : "0.0.0.0", http_server_port(st->http),
            engine_max_model_len(st->eng), engine_num_blocks(st->eng), engine_block_size(st->eng),
            pd_now() - t0);
-    if (o->kv_transfer_config &&
-        announcer_start_from_kv_config(o->kv_transfer_config, o->host, http_server_port(st->http),
-                                       &st->ann, err) != 0)
+    kv_connector *conn = engine_connector(st->eng);
+    if (conn && announcer_start_for_instance(kv_connector_config(conn), kv_connector_address(conn), o->host,
+                                             http_server_port(st->http), &st->ann, err) != 0)
         return -1;
 
     int sig = 0;

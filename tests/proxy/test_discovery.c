@@ -259,7 +259,9 @@ static void test_live(void) {
              port);
     setenv("PDSERVE_ANNOUNCE_INTERVAL_MS", "50", 1);
     announcer *a = NULL;
-    CHECKF(announcer_start_from_kv_config(kv, "127.0.0.1", 8123, &a, &err) == 0, "%s", err.msg);
+    kv_transfer_config kc;
+    CHECKF(kv_transfer_config_parse(kv, &kc, &err) == 0, "%s", err.msg);
+    CHECKF(announcer_start_for_instance(&kc, "127.0.0.1:14999", "127.0.0.1", 8123, &a, &err) == 0, "%s", err.msg);
     CHECK(a != NULL);
     CHECK(wait_live(r, ROLE_PREFILL, 1, 3000));
     CHECK(wait_live(r, ROLE_DECODE, 1, 3000));
@@ -280,14 +282,9 @@ static void test_live(void) {
     CHECK(registry_expire(r, pd_now()) == 0); /* already swept by the thread */
 
     /* No proxy in the config: no announcer and no error. */
-    CHECK(announcer_start_from_kv_config(
-              "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_producer\"}", NULL, 1, &a,
-              &err) == 0 &&
-          a == NULL);
-    CHECK(announcer_start_from_kv_config("{\"kv_role\":\"kv_producer\",\"kv_connector_extra_"
-                                         "config\":{\"proxy_ip\":\"h\",\"proxy_port\":\"x\"}}",
-                                         NULL, 1, &a, &err) != 0 &&
-          strstr(err.msg, "proxy_port"));
+    CHECK(kv_transfer_config_parse("{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_producer\"}", &kc,
+                                   &err) == 0);
+    CHECK(announcer_start_for_instance(&kc, "127.0.0.1:1", NULL, 1, &a, &err) == 0 && a == NULL);
 
     zmq_close(s);
     zmq_ctx_term(ctx);
