@@ -14,8 +14,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/pd_buf.h"
 #include "proxy/rewrite.h"
-#include "proxy/sbuf.h"
 
 struct front {
     front_ctx ctx;
@@ -25,7 +25,7 @@ struct front {
 };
 
 typedef struct body_state {
-    sbuf body;
+    pd_buf body;
     bool too_large;
 } body_state;
 
@@ -88,39 +88,39 @@ static void do_health(front_ctx *fx, front_reply *out) {
     double now = pd_now();
     int np = registry_live(fx->reg, ROLE_PREFILL, now),
         nd = registry_live(fx->reg, ROLE_DECODE, now);
-    sbuf b;
-    sb_init(&b);
-    sb_printf(&b, "{\"status\":\"%s\",", np && nd ? "ok" : "unavailable");
+    pd_buf b;
+    pd_buf_init(&b);
+    pd_buf_printf(&b, "{\"status\":\"%s\",", np && nd ? "ok" : "unavailable");
     registry_json(fx->reg, now, &b);
     if (fx->disc) {
         unsigned long long acc, rej;
         discovery_counts(fx->disc, &acc, &rej);
-        sb_printf(&b, ",\"discovery\":{\"port\":%d,\"accepted\":%llu,\"rejected\":%llu}",
-                  discovery_port(fx->disc), acc, rej);
+        pd_buf_printf(&b, ",\"discovery\":{\"port\":%d,\"accepted\":%llu,\"rejected\":%llu}",
+                      discovery_port(fx->disc), acc, rej);
     }
-    sb_puts(&b, "}");
+    pd_buf_puts(&b, "}");
     size_t len = 0;
-    char *body = sb_take(&b, &len);
+    char *body = pd_buf_take(&b, &len);
     front_reply_body(out, np && nd ? 200 : 503, "application/json", body, len);
 }
 
 static void do_metrics(front_ctx *fx, front_reply *out) {
-    sbuf b;
-    sb_init(&b);
+    pd_buf b;
+    pd_buf_init(&b);
     pxm_render(fx->pm, &b);
     registry_metrics(fx->reg, pd_now(), &b);
     if (fx->disc) {
         unsigned long long acc, rej;
         discovery_counts(fx->disc, &acc, &rej);
-        sb_printf(&b,
-                  "# HELP pdproxy_discovery_messages_total Announcements received.\n"
-                  "# TYPE pdproxy_discovery_messages_total counter\n"
-                  "pdproxy_discovery_messages_total{result=\"accepted\"} %llu\n"
-                  "pdproxy_discovery_messages_total{result=\"rejected\"} %llu\n",
-                  acc, rej);
+        pd_buf_printf(&b,
+                      "# HELP pdproxy_discovery_messages_total Announcements received.\n"
+                      "# TYPE pdproxy_discovery_messages_total counter\n"
+                      "pdproxy_discovery_messages_total{result=\"accepted\"} %llu\n"
+                      "pdproxy_discovery_messages_total{result=\"rejected\"} %llu\n",
+                      acc, rej);
     }
     size_t len = 0;
-    char *body = sb_take(&b, &len);
+    char *body = pd_buf_take(&b, &len);
     front_reply_body(out, 200, "text/plain; version=0.0.4; charset=utf-8", body, len);
 }
 
@@ -179,16 +179,16 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (!bs) {
         bs = calloc(1, sizeof *bs);
         if (!bs) return MHD_NO;
-        sb_init(&bs->body);
+        pd_buf_init(&bs->body);
         *con_cls = bs;
         return MHD_YES;
     }
     if (*upload_size) {
         if (!bs->too_large && bs->body.len + *upload_size > f->ctx.cfg.max_body_bytes) {
             bs->too_large = true;
-            sb_free(&bs->body);
+            pd_buf_free(&bs->body);
         }
-        if (!bs->too_large) sb_raw(&bs->body, upload_data, *upload_size);
+        if (!bs->too_large) pd_buf_append(&bs->body, upload_data, *upload_size);
         *upload_size = 0;
         return MHD_YES;
     }
@@ -212,7 +212,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     (void)toe;
     body_state *bs = *con_cls;
     if (bs) {
-        sb_free(&bs->body);
+        pd_buf_free(&bs->body);
         free(bs);
     }
     *con_cls = NULL;

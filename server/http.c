@@ -26,7 +26,7 @@ struct http_server {
 
 /* Per-connection state while a request body arrives. */
 typedef struct body_state {
-    jbuf body;
+    pd_buf body;
     bool too_large;
 } body_state;
 
@@ -194,16 +194,16 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (!bs) { /* first call: only the headers are here */
         bs = calloc(1, sizeof *bs);
         if (!bs) return MHD_NO;
-        jb_init(&bs->body);
+        pd_buf_init(&bs->body);
         *con_cls = bs;
         return MHD_YES;
     }
     if (*upload_size) {
         if (!bs->too_large && bs->body.len + *upload_size > s->ctx.cfg.max_body_bytes) {
             bs->too_large = true;
-            jb_free(&bs->body);
+            pd_buf_free(&bs->body);
         }
-        if (!bs->too_large) jb_raw(&bs->body, upload_data, *upload_size);
+        if (!bs->too_large) pd_buf_append(&bs->body, upload_data, *upload_size);
         *upload_size = 0;
         return MHD_YES;
     }
@@ -226,7 +226,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK)
         pd_log(PD_LOG_DEBUG, "http: request ended early (libmicrohttpd code %d)", (int)toe);
     if (bs) {
-        jb_free(&bs->body);
+        pd_buf_free(&bs->body);
         free(bs);
     }
     *con_cls = NULL;
