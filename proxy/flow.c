@@ -19,6 +19,7 @@
 
 #include "proxy/front.h"
 #include "common/pd_buf.h"
+#include "common/pd_httpd.h"
 #include "proxy/rewrite.h"
 
 #define MAX_ANSWER_BYTES (64u << 20)
@@ -46,7 +47,7 @@ typedef struct px_req {
 
 static bool cancel_check(void *arg) {
     px_req *r = arg;
-    return atomic_load(&r->fx->hard_stop) || front_client_gone(r->conn);
+    return atomic_load(&r->fx->hard_stop) || pd_httpd_client_gone(r->conn);
 }
 
 /* Count the request (instances, /metrics, log line) once, as soon as its

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/pd_httpd.h"
 #include "model/tokenizer.h"
 #include "server/api_json.h"
 #include "server/http.h"
@@ -556,7 +557,7 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
     while (r->out_pos == r->out.len) {
         if (r->stream_done) return MHD_CONTENT_READER_END_OF_STREAM;
         r->out.len = r->out_pos = 0;
-        if (http_client_gone(r->conn)) {
+        if (pd_httpd_client_gone(r->conn)) {
             run_abort_all(r);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
@@ -618,7 +619,7 @@ void api_completions(http_request *rq, http_reply *out) {
     for (;;) {
         if (atomic_load(&ctx->hard_stop)) run_abort_all(r);
         if (run_poll(r)) break;
-        if (http_client_gone(rq->conn)) {
+        if (pd_httpd_client_gone(rq->conn)) {
             run_abort_all(r);
             run_free(r);
             out->close = true;
