@@ -331,27 +331,42 @@ int p2p_put(p2p_engine *e, const char *peer, const char *id, const char *dtype, 
     return rc;
 }
 
-int p2p_put_async(p2p_engine *e, const char *peer, const char *id, const char *dtype, int ndim,
-                  const int64_t *shape, void *data_owned, size_t nbytes, double deadline,
-                  pd_err *err) {
+/* A new PUT or OFFER op that owns data_owned (nbytes of it). On any failure
+ * the buffer is released, err is set and NULL comes back. */
+static p2p_op *op_with_data(p2p_engine *e, op_kind kind, const char *peer, const char *id,
+                            const char *dtype, int ndim, const int64_t *shape, void *data_owned,
+                            size_t nbytes, double deadline, pd_err *err) {
     bool dev = e->cfg.transport == P2P_NCCL;
-    if (check_id("peer address", peer, P2P_ADDR_MAX, err) != 0 ||
-        check_tensor(id, dtype, ndim, shape, err) != 0 ||
+    if (check_tensor(id, dtype, ndim, shape, err) != 0 ||
         (nbytes > 0 && !data_owned &&
          pd_fail(err, "tensor %s: no data for %zu bytes", id, nbytes))) {
         p2p_buffer_release(dev, data_owned);
-        return -1;
+        return NULL;
     }
     p2p_blob *blob = p2p_blob_wrap(data_owned, nbytes, dev);
-    p2p_op *op = blob ? op_new(e, OP_PUT, peer, id, dtype, ndim, shape, nbytes, deadline) : NULL;
+    p2p_op *op = blob ? op_new(e, kind, peer, id, dtype, ndim, shape, nbytes, deadline) : NULL;
     if (!op) {
         if (blob)
             p2p_blob_unref(blob);
         else
             p2p_buffer_release(dev, data_owned);
-        return pd_fail(err, "out of memory for tensor %s", id);
+        pd_fail(err, "out of memory for tensor %s", id);
+        return NULL;
     }
     op->data = blob;
+    return op;
+}
+
+int p2p_put_async(p2p_engine *e, const char *peer, const char *id, const char *dtype, int ndim,
+                  const int64_t *shape, void *data_owned, size_t nbytes, double deadline,
+                  pd_err *err) {
+    if (check_id("peer address", peer, P2P_ADDR_MAX, err) != 0) {
+        p2p_buffer_release(e->cfg.transport == P2P_NCCL, data_owned);
+        return -1;
+    }
+    p2p_op *op =
+        op_with_data(e, OP_PUT, peer, id, dtype, ndim, shape, data_owned, nbytes, deadline, err);
+    if (!op) return -1;
     pthread_mutex_lock(&e->mu);
     int rc = 0;
     if (e->stopping)
@@ -370,23 +385,9 @@ int p2p_put_async(p2p_engine *e, const char *peer, const char *id, const char *d
 
 int p2p_offer(p2p_engine *e, const char *id, const char *dtype, int ndim, const int64_t *shape,
               void *data_owned, size_t nbytes, double deadline, pd_err *err) {
-    bool dev = e->cfg.transport == P2P_NCCL;
-    if (check_tensor(id, dtype, ndim, shape, err) != 0 ||
-        (nbytes > 0 && !data_owned &&
-         pd_fail(err, "tensor %s: no data for %zu bytes", id, nbytes))) {
-        p2p_buffer_release(dev, data_owned);
-        return -1;
-    }
-    p2p_blob *blob = p2p_blob_wrap(data_owned, nbytes, dev);
-    p2p_op *op = blob ? op_new(e, OP_OFFER, NULL, id, dtype, ndim, shape, nbytes, deadline) : NULL;
-    if (!op) {
-        if (blob)
-            p2p_blob_unref(blob);
-        else
-            p2p_buffer_release(dev, data_owned);
-        return pd_fail(err, "out of memory for tensor %s", id);
-    }
-    op->data = blob;
+    p2p_op *op =
+        op_with_data(e, OP_OFFER, NULL, id, dtype, ndim, shape, data_owned, nbytes, deadline, err);
+    if (!op) return -1;
     pthread_mutex_lock(&e->mu);
     int rc = 0;
     if (e->stopping)

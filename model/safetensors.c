@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/pd_buf.h"
 #include "model/ckpt_torch.h"
 
 static const struct {
@@ -248,114 +249,62 @@ int safetensors_parse(const void *file, size_t size, const char *path, ckpt_tens
     return 0;
 }
 
-/* A growable byte buffer for rendering headers. */
-typedef struct {
-    char *p;
-    size_t len, cap;
-    int oom;
-} sbuf;
-
-static void sb_put(sbuf *s, const char *d, size_t n) {
-    if (s->oom) return;
-    if (s->len + n + 1 > s->cap) {
-        size_t cap = s->cap ? s->cap : 256;
-        while (s->len + n + 1 > cap)
-            cap *= 2;
-        char *p = realloc(s->p, cap);
-        if (!p) {
-            s->oom = 1;
-            return;
-        }
-        s->p = p, s->cap = cap;
-    }
-    memcpy(s->p + s->len, d, n);
-    s->len += n;
-    s->p[s->len] = 0;
-}
-
-static void sb_str(sbuf *s, const char *str) {
-    sb_put(s, str, strlen(str));
-}
-
-static void sb_fmt_u64(sbuf *s, uint64_t v) {
-    char tmp[32];
-    int k = snprintf(tmp, sizeof tmp, "%llu", (unsigned long long)v);
-    sb_put(s, tmp, (size_t)k);
-}
-
-/* A JSON string literal. */
-static void sb_json_str(sbuf *s, const char *str) {
-    sb_put(s, "\"", 1);
-    for (const unsigned char *c = (const unsigned char *)str; *c; c++) {
-        if (*c == '"' || *c == '\\') {
-            char esc[2] = {'\\', (char)*c};
-            sb_put(s, esc, 2);
-        } else if (*c < 0x20) {
-            char esc[8];
-            snprintf(esc, sizeof esc, "\\u%04x", *c);
-            sb_put(s, esc, 6);
-        } else {
-            sb_put(s, (const char *)c, 1);
-        }
-    }
-    sb_put(s, "\"", 1);
-}
-
 int safetensors_header(const ckpt_tensor *tensors, int n, char **out, size_t *len, pd_err *err) {
     *out = NULL;
     *len = 0;
-    sbuf s = {0};
-    sb_put(&s, "\0\0\0\0\0\0\0\0", 8); /* length, filled in below */
+    pd_buf s;
+    pd_buf_init(&s);
+    pd_buf_append(&s, "\0\0\0\0\0\0\0\0", 8); /* length, filled in below */
     /* transformers checks for format "pt" when loading. */
-    sb_str(&s, "{\"__metadata__\":{\"format\":\"pt\"}");
+    pd_buf_puts(&s, "{\"__metadata__\":{\"format\":\"pt\"}");
     uint64_t pos = 0;
     for (int i = 0; i < n; i++) {
         const ckpt_tensor *t = &tensors[i];
         size_t es = ckpt_dtype_size(t->dtype);
         if (es == 0) {
-            free(s.p);
+            pd_buf_free(&s);
             return pd_fail(err, "safetensors write: tensor %s has an unsupported dtype", t->name);
         }
         if (t->ndim < 0 || t->ndim > CKPT_MAX_DIMS) {
-            free(s.p);
+            pd_buf_free(&s);
             return pd_fail(err, "safetensors write: tensor %s has %d dimensions", t->name, t->ndim);
         }
         uint64_t numel = 1;
         for (int d = 0; d < t->ndim; d++)
             numel *= (uint64_t)t->shape[d];
         if (numel * es != t->nbytes) {
-            free(s.p);
+            pd_buf_free(&s);
             return pd_fail(err, "safetensors write: tensor %s: nbytes %zu does not match its shape",
                            t->name, t->nbytes);
         }
-        sb_put(&s, ",", 1);
-        sb_json_str(&s, t->name);
-        sb_str(&s, ":{\"dtype\":\"");
-        sb_str(&s, ckpt_dtype_name(t->dtype));
-        sb_str(&s, "\",\"shape\":[");
+        pd_buf_append(&s, ",", 1);
+        pd_buf_json_str(&s, t->name);
+        pd_buf_puts(&s, ":{\"dtype\":\"");
+        pd_buf_puts(&s, ckpt_dtype_name(t->dtype));
+        pd_buf_puts(&s, "\",\"shape\":[");
         for (int d = 0; d < t->ndim; d++) {
-            if (d) sb_put(&s, ",", 1);
-            sb_fmt_u64(&s, (uint64_t)t->shape[d]);
+            if (d) pd_buf_append(&s, ",", 1);
+            pd_buf_printf(&s, "%llu", (unsigned long long)t->shape[d]);
         }
-        sb_str(&s, "],\"data_offsets\":[");
-        sb_fmt_u64(&s, pos);
-        sb_put(&s, ",", 1);
+        pd_buf_puts(&s, "],\"data_offsets\":[");
+        pd_buf_printf(&s, "%llu", (unsigned long long)pos);
+        pd_buf_append(&s, ",", 1);
         pos += t->nbytes;
-        sb_fmt_u64(&s, pos);
-        sb_str(&s, "]}");
+        pd_buf_printf(&s, "%llu", (unsigned long long)pos);
+        pd_buf_puts(&s, "]}");
     }
-    sb_put(&s, "}", 1);
+    pd_buf_append(&s, "}", 1);
     /* Pad with spaces so the data buffer starts 8-byte aligned. */
     while (!s.oom && s.len % 8 != 0)
-        sb_put(&s, " ", 1);
+        pd_buf_append(&s, " ", 1);
     if (s.oom) {
-        free(s.p);
+        pd_buf_free(&s);
         return pd_fail(err, "out of memory");
     }
     uint64_t hlen = s.len - 8;
     for (int i = 0; i < 8; i++)
-        s.p[i] = (char)((hlen >> (8 * i)) & 0xff);
-    *out = s.p;
+        s.data[i] = (char)((hlen >> (8 * i)) & 0xff);
+    *out = s.data;
     *len = s.len;
     return 0;
 }

@@ -18,8 +18,9 @@
 #include <strings.h>
 
 #include "proxy/front.h"
+#include "common/pd_buf.h"
+#include "common/pd_httpd.h"
 #include "proxy/rewrite.h"
-#include "proxy/sbuf.h"
 
 #define MAX_ANSWER_BYTES (64u << 20)
 
@@ -46,7 +47,7 @@ typedef struct px_req {
 
 static bool cancel_check(void *arg) {
     px_req *r = arg;
-    return atomic_load(&r->fx->hard_stop) || front_client_gone(r->conn);
+    return atomic_load(&r->fx->hard_stop) || pd_httpd_client_gone(r->conn);
 }
 
 /* Count the request (instances, /metrics, log line) once, as soon as its
@@ -265,14 +266,14 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
     pd_log(PD_LOG_WARN, "request %s: %s", r->rid, msg);
     size_t elen = 0;
     char *ej = rewrite_error_json(code, msg, &elen);
-    sbuf b;
-    sb_init(&b);
-    if (r->last[0] != '\n' || r->last[1] != '\n') sb_puts(&b, "\n\n");
-    sb_puts(&b, "data: ");
-    if (ej) sb_raw(&b, ej, elen);
-    sb_puts(&b, "\n\ndata: [DONE]\n\n");
+    pd_buf b;
+    pd_buf_init(&b);
+    if (r->last[0] != '\n' || r->last[1] != '\n') pd_buf_puts(&b, "\n\n");
+    pd_buf_puts(&b, "data: ");
+    if (ej) pd_buf_append(&b, ej, elen);
+    pd_buf_puts(&b, "\n\ndata: [DONE]\n\n");
     free(ej);
-    r->tail = sb_take(&b, &r->tail_len);
+    r->tail = pd_buf_take(&b, &r->tail_len);
     if (!r->tail) return MHD_CONTENT_READER_END_WITH_ERROR;
     return copy_tail(r, buf, max);
 }
@@ -370,15 +371,15 @@ static px_req *req_new(front_ctx *fx, struct MHD_Connection *conn, const char *u
     r->hdrs[r->n_hdrs++] = r->hdr_rid;
     const char *auth = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Authorization");
     if (fx->cfg.upstream_api_key) {
-        sbuf b;
-        sb_init(&b);
-        sb_printf(&b, "Authorization: Bearer %s", fx->cfg.upstream_api_key);
-        r->hdr_auth = sb_take(&b, NULL);
+        pd_buf b;
+        pd_buf_init(&b);
+        pd_buf_printf(&b, "Authorization: Bearer %s", fx->cfg.upstream_api_key);
+        r->hdr_auth = pd_buf_take(&b, NULL);
     } else if (auth && !fx->cfg.api_key && !strpbrk(auth, "\r\n")) {
-        sbuf b;
-        sb_init(&b);
-        sb_printf(&b, "Authorization: %s", auth);
-        r->hdr_auth = sb_take(&b, NULL);
+        pd_buf b;
+        pd_buf_init(&b);
+        pd_buf_printf(&b, "Authorization: %s", auth);
+        r->hdr_auth = pd_buf_take(&b, NULL);
     }
     if (r->hdr_auth) r->hdrs[r->n_hdrs++] = r->hdr_auth;
     return r;

@@ -1,33 +1,25 @@
-/* front: libmicrohttpd server core of the proxy — bodies, routing, auth,
- * /health and /metrics, shutdown. See front.h. */
+/* front: the proxy's HTTP server core — routing, auth, /health and
+ * /metrics, shutdown, on the libmicrohttpd plumbing in common/pd_httpd.
+ * See front.h. */
 #include "proxy/front.h"
 
 #include <microhttpd.h>
-#include <netdb.h>
-#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "common/pd_buf.h"
+#include "common/pd_httpd.h"
 #include "proxy/rewrite.h"
-#include "proxy/sbuf.h"
 
 struct front {
     front_ctx ctx;
-    struct MHD_Daemon *daemon;
-    int port;
-    bool quiesced;
+    pd_httpd httpd;
 };
-
-typedef struct body_state {
-    sbuf body;
-    bool too_large;
-} body_state;
 
 void front_reply_body(front_reply *r, unsigned status, const char *content_type, char *body,
                       size_t len) {
@@ -54,20 +46,6 @@ void front_reply_error(front_reply *r, int status, const char *fmt, ...) {
     front_reply_body(r, (unsigned)status, "application/json", body, len);
 }
 
-bool front_client_gone(struct MHD_Connection *conn) {
-    const union MHD_ConnectionInfo *ci =
-        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (!ci) return false;
-    struct pollfd p = {.fd = ci->connect_fd, .events = POLLIN | POLLRDHUP};
-    if (poll(&p, 1, 0) <= 0) return false;
-    if (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return true;
-    if (p.revents & POLLIN) { /* EOF, or the client pipelined its next request */
-        char c;
-        return recv(ci->connect_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
-    }
-    return false;
-}
-
 /* Compare in time that depends only on the key's length. */
 static bool key_equal(const char *given, const char *key) {
     size_t n = strlen(key), g = strlen(given);
@@ -88,39 +66,39 @@ static void do_health(front_ctx *fx, front_reply *out) {
     double now = pd_now();
     int np = registry_live(fx->reg, ROLE_PREFILL, now),
         nd = registry_live(fx->reg, ROLE_DECODE, now);
-    sbuf b;
-    sb_init(&b);
-    sb_printf(&b, "{\"status\":\"%s\",", np && nd ? "ok" : "unavailable");
+    pd_buf b;
+    pd_buf_init(&b);
+    pd_buf_printf(&b, "{\"status\":\"%s\",", np && nd ? "ok" : "unavailable");
     registry_json(fx->reg, now, &b);
     if (fx->disc) {
         unsigned long long acc, rej;
         discovery_counts(fx->disc, &acc, &rej);
-        sb_printf(&b, ",\"discovery\":{\"port\":%d,\"accepted\":%llu,\"rejected\":%llu}",
-                  discovery_port(fx->disc), acc, rej);
+        pd_buf_printf(&b, ",\"discovery\":{\"port\":%d,\"accepted\":%llu,\"rejected\":%llu}",
+                      discovery_port(fx->disc), acc, rej);
     }
-    sb_puts(&b, "}");
+    pd_buf_puts(&b, "}");
     size_t len = 0;
-    char *body = sb_take(&b, &len);
+    char *body = pd_buf_take(&b, &len);
     front_reply_body(out, np && nd ? 200 : 503, "application/json", body, len);
 }
 
 static void do_metrics(front_ctx *fx, front_reply *out) {
-    sbuf b;
-    sb_init(&b);
+    pd_buf b;
+    pd_buf_init(&b);
     pxm_render(fx->pm, &b);
     registry_metrics(fx->reg, pd_now(), &b);
     if (fx->disc) {
         unsigned long long acc, rej;
         discovery_counts(fx->disc, &acc, &rej);
-        sb_printf(&b,
-                  "# HELP pdproxy_discovery_messages_total Announcements received.\n"
-                  "# TYPE pdproxy_discovery_messages_total counter\n"
-                  "pdproxy_discovery_messages_total{result=\"accepted\"} %llu\n"
-                  "pdproxy_discovery_messages_total{result=\"rejected\"} %llu\n",
-                  acc, rej);
+        pd_buf_printf(&b,
+                      "# HELP pdproxy_discovery_messages_total Announcements received.\n"
+                      "# TYPE pdproxy_discovery_messages_total counter\n"
+                      "pdproxy_discovery_messages_total{result=\"accepted\"} %llu\n"
+                      "pdproxy_discovery_messages_total{result=\"rejected\"} %llu\n",
+                      acc, rej);
     }
     size_t len = 0;
-    char *body = sb_take(&b, &len);
+    char *body = pd_buf_take(&b, &len);
     front_reply_body(out, 200, "text/plain; version=0.0.4; charset=utf-8", body, len);
 }
 
@@ -134,7 +112,7 @@ static bool is_json_type(const char *ct) {
 }
 
 static void dispatch(front *f, struct MHD_Connection *conn, const char *url, const char *method,
-                     body_state *bs, front_reply *out) {
+                     pd_httpd_body *bs, front_reply *out) {
     front_ctx *fx = &f->ctx;
     if (!authorized(fx, conn, url)) return front_reply_error(out, 401, "Unauthorized");
     bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
@@ -175,23 +153,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
                                   size_t *upload_size, void **con_cls) {
     (void)version;
     front *f = cls;
-    body_state *bs = *con_cls;
-    if (!bs) {
-        bs = calloc(1, sizeof *bs);
-        if (!bs) return MHD_NO;
-        sb_init(&bs->body);
-        *con_cls = bs;
-        return MHD_YES;
-    }
-    if (*upload_size) {
-        if (!bs->too_large && bs->body.len + *upload_size > f->ctx.cfg.max_body_bytes) {
-            bs->too_large = true;
-            sb_free(&bs->body);
-        }
-        if (!bs->too_large) sb_raw(&bs->body, upload_data, *upload_size);
-        *upload_size = 0;
-        return MHD_YES;
-    }
+    pd_httpd_body *bs = NULL;
+    int got = pd_httpd_body_read(con_cls, upload_data, upload_size, f->ctx.cfg.max_body_bytes, &bs);
+    if (got <= 0) return got == 0 ? MHD_YES : MHD_NO;
     atomic_fetch_add(&f->ctx.active, 1);
     front_reply out = {0};
     dispatch(f, conn, url, method, bs, &out);
@@ -210,22 +174,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     (void)cls;
     (void)conn;
     (void)toe;
-    body_state *bs = *con_cls;
-    if (bs) {
-        sb_free(&bs->body);
-        free(bs);
-    }
-    *con_cls = NULL;
-}
-
-static void on_mhd_log(void *cls, const char *fmt, va_list ap) {
-    (void)cls;
-    char msg[400];
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    size_t n = strlen(msg);
-    while (n && (msg[n - 1] == '\n' || msg[n - 1] == '\r'))
-        msg[--n] = 0;
-    pd_log(PD_LOG_DEBUG, "libmicrohttpd: %s", msg);
+    pd_httpd_body_free(con_cls);
 }
 
 int front_start(const front_config *cfg, registry *reg, upstream_pool *pool, proxy_metrics *pm,
@@ -242,58 +191,23 @@ int front_start(const front_config *cfg, registry *reg, upstream_pool *pool, pro
     clock_gettime(CLOCK_REALTIME, &ts);
     f->ctx.id_salt =
         ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 16);
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
-                     MHD_USE_POLL | MHD_USE_ITC | MHD_USE_ERROR_LOG;
-    struct addrinfo *ai = NULL;
-    if (cfg->host && cfg->host[0]) {
-        char port[16];
-        snprintf(port, sizeof port, "%d", cfg->port);
-        struct addrinfo hints = {
-            .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
-        int rc = getaddrinfo(cfg->host, port, &hints, &ai);
-        if (rc != 0) {
-            free(f);
-            return pd_fail(err, "--host %s: %s", cfg->host, gai_strerror(rc));
-        }
-        if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    }
     /* The idle timeout must outlast the longest request: a streamed answer
      * can be quiet between tokens. */
     unsigned idle = (unsigned)(cfg->timeout + 30);
-    struct MHD_OptionItem opts[] = {
-        {MHD_OPTION_NOTIFY_COMPLETED, (intptr_t)on_completed, NULL},
-        {MHD_OPTION_EXTERNAL_LOGGER, (intptr_t)on_mhd_log, NULL},
-        {MHD_OPTION_CONNECTION_TIMEOUT, (intptr_t)idle, NULL},
-        {MHD_OPTION_CONNECTION_LIMIT, 4096, NULL},
-        {MHD_OPTION_THREAD_STACK_SIZE, 1 << 20, NULL},
-        {MHD_OPTION_LISTENING_ADDRESS_REUSE, 1, NULL},
-        {MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024, NULL},
-        {ai ? MHD_OPTION_SOCK_ADDR : MHD_OPTION_END, 0, ai ? ai->ai_addr : NULL},
-        {MHD_OPTION_END, 0, NULL},
-    };
-    f->daemon = MHD_start_daemon(flags, (uint16_t)cfg->port, NULL, NULL, on_request, f,
-                                 MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
-    if (ai) freeaddrinfo(ai);
-    if (!f->daemon) {
+    if (pd_httpd_start(&f->httpd, cfg->host, cfg->port, idle, on_request, f, on_completed, err)) {
         free(f);
-        return pd_fail(err, "cannot listen on %s:%d (address in use?)",
-                       cfg->host ? cfg->host : "0.0.0.0", cfg->port);
+        return -1;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(f->daemon, MHD_DAEMON_INFO_BIND_PORT);
-    f->port = di ? di->port : cfg->port;
     *out = f;
     return 0;
 }
 
 int front_port(const front *f) {
-    return f->port;
+    return f->httpd.port;
 }
 
 void front_quiesce(front *f) {
-    if (f->quiesced) return;
-    MHD_socket fd = MHD_quiesce_daemon(f->daemon);
-    if (fd != MHD_INVALID_SOCKET) close(fd);
-    f->quiesced = true;
+    pd_httpd_quiesce(&f->httpd);
 }
 
 int front_active(front *f) {
@@ -303,6 +217,6 @@ int front_active(front *f) {
 void front_stop(front *f) {
     if (!f) return;
     atomic_store(&f->ctx.hard_stop, true);
-    MHD_stop_daemon(f->daemon);
+    pd_httpd_stop(&f->httpd);
     free(f);
 }

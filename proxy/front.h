@@ -67,7 +67,6 @@ void front_reply_body(front_reply *r, unsigned status, const char *content_type,
                       size_t len);
 void front_reply_error(front_reply *r, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
-bool front_client_gone(struct MHD_Connection *conn);
 
 /* POST /v1/completions and /v1/chat/completions. */
 void flow_generate(front_ctx *fx, struct MHD_Connection *conn, const char *url, const char *body,

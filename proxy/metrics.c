@@ -19,24 +19,25 @@ void pxhist_observe(pxhist *h, double s) {
     h->sum += s;
 }
 
-void pxhist_render(sbuf *b, const char *name, const char *labels, const pxhist *h) {
+void pxhist_render(pd_buf *b, const char *name, const char *labels, const pxhist *h) {
     const char *sep = labels && labels[0] ? "," : "";
     const char *lab = labels ? labels : "";
     uint64_t cum = 0;
     for (int i = 0; i < PXH_BUCKETS; i++) {
         cum += h->counts[i];
         if (i < PXH_BUCKETS - 1)
-            sb_printf(b, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, lab, sep, bounds[i],
-                      (unsigned long long)cum);
+            pd_buf_printf(b, "%s_bucket{%s%sle=\"%g\"} %llu\n", name, lab, sep, bounds[i],
+                          (unsigned long long)cum);
         else
-            sb_printf(b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, lab, sep,
-                      (unsigned long long)cum);
+            pd_buf_printf(b, "%s_bucket{%s%sle=\"+Inf\"} %llu\n", name, lab, sep,
+                          (unsigned long long)cum);
     }
     if (lab[0]) {
-        sb_printf(b, "%s_sum{%s} %.6f\n", name, lab, h->sum);
-        sb_printf(b, "%s_count{%s} %llu\n", name, lab, (unsigned long long)h->n);
+        pd_buf_printf(b, "%s_sum{%s} %.6f\n", name, lab, h->sum);
+        pd_buf_printf(b, "%s_count{%s} %llu\n", name, lab, (unsigned long long)h->n);
     } else {
-        sb_printf(b, "%s_sum %.6f\n%s_count %llu\n", name, h->sum, name, (unsigned long long)h->n);
+        pd_buf_printf(b, "%s_sum %.6f\n%s_count %llu\n", name, h->sum, name,
+                      (unsigned long long)h->n);
     }
 }
 
@@ -69,24 +70,24 @@ void pxm_end(proxy_metrics *m, int status, double total, double ttft, double pre
     pthread_mutex_unlock(&m->mu);
 }
 
-void pxm_render(proxy_metrics *m, sbuf *b) {
+void pxm_render(proxy_metrics *m, pd_buf *b) {
     pthread_mutex_lock(&m->mu);
-    sb_puts(b, "# HELP pdproxy_requests_total Client requests by final status "
-               "(499: the client went away; a stream that failed midway counts its error "
-               "code).\n# TYPE pdproxy_requests_total counter\n");
+    pd_buf_puts(b, "# HELP pdproxy_requests_total Client requests by final status "
+                   "(499: the client went away; a stream that failed midway counts its error "
+                   "code).\n# TYPE pdproxy_requests_total counter\n");
     for (int s = 0; s < PXM_MAX_STATUS; s++)
         if (m->by_status[s])
-            sb_printf(b, "pdproxy_requests_total{status=\"%d\"} %llu\n", s,
-                      (unsigned long long)m->by_status[s]);
-    sb_printf(b,
-              "# HELP pdproxy_requests_in_flight Client requests being served.\n"
-              "# TYPE pdproxy_requests_in_flight gauge\npdproxy_requests_in_flight %llu\n",
-              (unsigned long long)m->in_flight);
-    sb_printf(b,
-              "# HELP pdproxy_prefill_retries_total Prefill requests retried on another "
-              "instance.\n# TYPE pdproxy_prefill_retries_total counter\n"
-              "pdproxy_prefill_retries_total %llu\n",
-              (unsigned long long)m->retries);
+            pd_buf_printf(b, "pdproxy_requests_total{status=\"%d\"} %llu\n", s,
+                          (unsigned long long)m->by_status[s]);
+    pd_buf_printf(b,
+                  "# HELP pdproxy_requests_in_flight Client requests being served.\n"
+                  "# TYPE pdproxy_requests_in_flight gauge\npdproxy_requests_in_flight %llu\n",
+                  (unsigned long long)m->in_flight);
+    pd_buf_printf(b,
+                  "# HELP pdproxy_prefill_retries_total Prefill requests retried on another "
+                  "instance.\n# TYPE pdproxy_prefill_retries_total counter\n"
+                  "pdproxy_prefill_retries_total %llu\n",
+                  (unsigned long long)m->retries);
     static const struct {
         const char *name, *help;
         size_t off;
@@ -103,7 +104,7 @@ void pxm_render(proxy_metrics *m, sbuf *b) {
          offsetof(proxy_metrics, overhead)},
     };
     for (size_t i = 0; i < sizeof hs / sizeof hs[0]; i++) {
-        sb_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", hs[i].name, hs[i].help, hs[i].name);
+        pd_buf_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", hs[i].name, hs[i].help, hs[i].name);
         pxhist_render(b, hs[i].name, NULL, (const pxhist *)((const char *)m + hs[i].off));
     }
     pthread_mutex_unlock(&m->mu);

@@ -9,7 +9,7 @@
 #include <pthread.h>
 #include <stdint.h>
 
-#include "proxy/sbuf.h"
+#include "common/pd_buf.h"
 
 #define PXH_BUCKETS 19
 
@@ -21,7 +21,7 @@ typedef struct pxhist {
 
 void pxhist_observe(pxhist *h, double seconds);
 /* Write NAME_bucket{LABELS,le=...}, NAME_sum and NAME_count lines. */
-void pxhist_render(sbuf *b, const char *name, const char *labels, const pxhist *h);
+void pxhist_render(pd_buf *b, const char *name, const char *labels, const pxhist *h);
 
 #define PXM_MAX_STATUS 600
 
@@ -38,7 +38,7 @@ void pxm_begin(proxy_metrics *m);
 /* One finished request. ttft/prefill < 0: not reached. */
 void pxm_end(proxy_metrics *m, int status, double total, double ttft, double prefill,
              double overhead, int retries);
-void pxm_render(proxy_metrics *m, sbuf *b);
+void pxm_render(proxy_metrics *m, pd_buf *b);
 uint64_t pxm_in_flight(proxy_metrics *m);
 
 #endif

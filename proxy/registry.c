@@ -232,36 +232,36 @@ int registry_live(registry *r, px_role role, double now) {
     return n;
 }
 
-void registry_json(registry *r, double now, sbuf *b) {
+void registry_json(registry *r, double now, pd_buf *b) {
     pthread_mutex_lock(&r->mu);
     for (int role = 0; role < 2; role++) {
-        sb_printf(b, "%s\"%s\":[", role ? "," : "", px_role_name((px_role)role));
+        pd_buf_printf(b, "%s\"%s\":[", role ? "," : "", px_role_name((px_role)role));
         int k = 0;
         for (int i = 0; i < r->n; i++) {
             slot *s = &r->slots[i];
             if ((int)s->role != role || !alive(s, now)) continue;
-            sb_puts(b, k++ ? ",{\"http_address\":" : "{\"http_address\":");
-            sb_json_str(b, s->http);
-            sb_puts(b, ",\"zmq_address\":");
-            sb_json_str(b, s->kv);
-            sb_printf(b, ",\"static\":%s,\"in_flight\":%d,\"backoff\":%s}",
-                      s->is_static ? "true" : "false", s->in_flight,
-                      s->backoff_until > now ? "true" : "false");
+            pd_buf_puts(b, k++ ? ",{\"http_address\":" : "{\"http_address\":");
+            pd_buf_json_str(b, s->http);
+            pd_buf_puts(b, ",\"zmq_address\":");
+            pd_buf_json_str(b, s->kv);
+            pd_buf_printf(b, ",\"static\":%s,\"in_flight\":%d,\"backoff\":%s}",
+                          s->is_static ? "true" : "false", s->in_flight,
+                          s->backoff_until > now ? "true" : "false");
         }
-        sb_puts(b, "]");
+        pd_buf_puts(b, "]");
     }
     pthread_mutex_unlock(&r->mu);
 }
 
-void registry_metrics(registry *r, double now, sbuf *b) {
+void registry_metrics(registry *r, double now, pd_buf *b) {
     pthread_mutex_lock(&r->mu);
-    sb_puts(b, "# HELP pdproxy_instances Live instances by role.\n"
-               "# TYPE pdproxy_instances gauge\n");
+    pd_buf_puts(b, "# HELP pdproxy_instances Live instances by role.\n"
+                   "# TYPE pdproxy_instances gauge\n");
     for (int role = 0; role < 2; role++) {
         int n = 0;
         for (int i = 0; i < r->n; i++)
             if ((int)r->slots[i].role == role && alive(&r->slots[i], now)) n++;
-        sb_printf(b, "pdproxy_instances{role=\"%s\"} %d\n", px_role_name((px_role)role), n);
+        pd_buf_printf(b, "pdproxy_instances{role=\"%s\"} %d\n", px_role_name((px_role)role), n);
     }
     static const char *names[3] = {"pdproxy_instance_requests_total",
                                    "pdproxy_instance_errors_total", "pdproxy_instance_in_flight"};
@@ -269,20 +269,20 @@ void registry_metrics(registry *r, double now, sbuf *b) {
                                    "Requests the instance failed (connect error, 5xx, timeout).",
                                    "Requests in flight on the instance."};
     for (int m = 0; m < 3; m++) {
-        sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", names[m], helps[m], names[m],
-                  m == 2 ? "gauge" : "counter");
+        pd_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", names[m], helps[m], names[m],
+                      m == 2 ? "gauge" : "counter");
         for (int i = 0; i < r->n; i++) {
             slot *s = &r->slots[i];
             unsigned long long v = m == 0   ? s->requests
                                    : m == 1 ? s->errors
                                             : (unsigned long long)s->in_flight;
-            sb_printf(b, "%s{role=\"%s\",instance=\"%s\"} %llu\n", names[m], px_role_name(s->role),
-                      s->http, v);
+            pd_buf_printf(b, "%s{role=\"%s\",instance=\"%s\"} %llu\n", names[m],
+                          px_role_name(s->role), s->http, v);
         }
     }
-    sb_puts(b, "# HELP pdproxy_instance_latency_seconds Time of one hop to the instance "
-               "(prefill: the whole answer; decode: until its last byte).\n"
-               "# TYPE pdproxy_instance_latency_seconds histogram\n");
+    pd_buf_puts(b, "# HELP pdproxy_instance_latency_seconds Time of one hop to the instance "
+                   "(prefill: the whole answer; decode: until its last byte).\n"
+                   "# TYPE pdproxy_instance_latency_seconds histogram\n");
     for (int i = 0; i < r->n; i++) {
         char lab[REG_ADDR_MAX + 48];
         snprintf(lab, sizeof lab, "role=\"%s\",instance=\"%s\"", px_role_name(r->slots[i].role),

@@ -11,8 +11,8 @@
 
 #include <stdbool.h>
 
+#include "common/pd_buf.h"
 #include "common/pd_common.h"
-#include "proxy/sbuf.h"
 
 typedef enum { ROLE_PREFILL = 0, ROLE_DECODE = 1 } px_role;
 
@@ -62,8 +62,8 @@ void registry_unpick(registry *r, int id);
 
 int registry_live(registry *r, px_role role, double now);
 /* {"prefill":[{"http_address":..,"zmq_address":..,"static":..,"in_flight":..}],"decode":[..]} */
-void registry_json(registry *r, double now, sbuf *b);
+void registry_json(registry *r, double now, pd_buf *b);
 /* Per-instance Prometheus series. */
-void registry_metrics(registry *r, double now, sbuf *b);
+void registry_metrics(registry *r, double now, pd_buf *b);
 
 #endif

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "proxy/sbuf.h"
+#include "common/pd_buf.h"
 
 char *rewrite_prefill_body(const cJSON *root, const char *remote_kv_addr, size_t *len) {
     cJSON *b = cJSON_Duplicate(root, 1);
@@ -34,12 +34,12 @@ char *rewrite_prefill_body(const cJSON *root, const char *remote_kv_addr, size_t
 
 char *rewrite_decode_body(const char *orig, size_t orig_len, const cJSON *root, const char *params,
                           size_t *len) {
-    sbuf b;
-    sb_init(&b);
+    pd_buf b;
+    pd_buf_init(&b);
     if (!cJSON_GetObjectItemCaseSensitive(root, "kv_transfer_params")) {
         if (!params) {
-            sb_raw(&b, orig, orig_len);
-            return sb_take(&b, len);
+            pd_buf_append(&b, orig, orig_len);
+            return pd_buf_take(&b, len);
         }
         /* Splice the field in before the object's closing brace. */
         size_t end = orig_len;
@@ -51,11 +51,11 @@ char *rewrite_decode_body(const char *orig, size_t orig_len, const cJSON *root, 
                          orig[k - 1] == '\t'))
                 k--;
             bool empty = k && orig[k - 1] == '{';
-            sb_raw(&b, orig, end - 1);
-            sb_puts(&b, empty ? "\"kv_transfer_params\":" : ",\"kv_transfer_params\":");
-            sb_puts(&b, params);
-            sb_puts(&b, "}");
-            return sb_take(&b, len);
+            pd_buf_append(&b, orig, end - 1);
+            pd_buf_puts(&b, empty ? "\"kv_transfer_params\":" : ",\"kv_transfer_params\":");
+            pd_buf_puts(&b, params);
+            pd_buf_puts(&b, "}");
+            return pd_buf_take(&b, len);
         }
     }
     /* The client sent its own kv_transfer_params: the proxy's replace them. */
@@ -116,19 +116,19 @@ const char *rewrite_error_type(int status) {
 
 static char *error_json(int status, const char *type, const char *message, const cJSON *param,
                         size_t *len) {
-    sbuf b;
-    sb_init(&b);
-    sb_puts(&b, "{\"error\":{\"message\":");
-    sb_json_str(&b, message);
-    sb_puts(&b, ",\"type\":");
-    sb_json_str(&b, type);
-    sb_puts(&b, ",\"param\":");
+    pd_buf b;
+    pd_buf_init(&b);
+    pd_buf_puts(&b, "{\"error\":{\"message\":");
+    pd_buf_json_str(&b, message);
+    pd_buf_puts(&b, ",\"type\":");
+    pd_buf_json_str(&b, type);
+    pd_buf_puts(&b, ",\"param\":");
     if (param && cJSON_IsString(param))
-        sb_json_str(&b, param->valuestring);
+        pd_buf_json_str(&b, param->valuestring);
     else
-        sb_puts(&b, "null");
-    sb_printf(&b, ",\"code\":%d}}", status);
-    return sb_take(&b, len);
+        pd_buf_puts(&b, "null");
+    pd_buf_printf(&b, ",\"code\":%d}}", status);
+    return pd_buf_take(&b, len);
 }
 
 char *rewrite_error_json(int status, const char *message, size_t *len) {
@@ -142,15 +142,15 @@ char *rewrite_upstream_error(const char *body, size_t len, int status, const cha
     const cJSON *msg = e ? cJSON_GetObjectItemCaseSensitive(e, "message") : NULL;
     const cJSON *type = e ? cJSON_GetObjectItemCaseSensitive(e, "type") : NULL;
     const cJSON *param = e ? cJSON_GetObjectItemCaseSensitive(e, "param") : NULL;
-    sbuf m;
-    sb_init(&m);
+    pd_buf m;
+    pd_buf_init(&m);
     if (cJSON_IsString(msg))
-        sb_printf(&m, "%s: %s", who, msg->valuestring);
+        pd_buf_printf(&m, "%s: %s", who, msg->valuestring);
     else if (cJSON_IsString(e))
-        sb_printf(&m, "%s: %s", who, e->valuestring);
+        pd_buf_printf(&m, "%s: %s", who, e->valuestring);
     else
-        sb_printf(&m, "%s answered HTTP %d", who, status);
-    char *text = sb_take(&m, NULL);
+        pd_buf_printf(&m, "%s answered HTTP %d", who, status);
+    char *text = pd_buf_take(&m, NULL);
     char *out =
         text ? error_json(status,
                           cJSON_IsString(type) ? type->valuestring : rewrite_error_type(status),

@@ -43,30 +43,30 @@ const char *api_error_type(int status) {
     }
 }
 
-static void write_error_object(jbuf *b, const api_error *e) {
-    jb_puts(b, "{\"error\":{\"message\":");
+static void write_error_object(pd_buf *b, const api_error *e) {
+    pd_buf_puts(b, "{\"error\":{\"message\":");
     jb_cstr(b, e->message);
-    jb_puts(b, ",\"type\":");
+    pd_buf_puts(b, ",\"type\":");
     jb_cstr(b, api_error_type(e->status));
-    jb_puts(b, ",\"param\":");
+    pd_buf_puts(b, ",\"param\":");
     jb_cstr(b, e->param[0] ? e->param : NULL);
-    jb_printf(b, ",\"code\":%d}}", e->status);
+    pd_buf_printf(b, ",\"code\":%d}}", e->status);
 }
 
 char *api_error_json(const api_error *e, size_t *len) {
-    jbuf b;
-    jb_init(&b);
+    pd_buf b;
+    pd_buf_init(&b);
     write_error_object(&b, e);
-    return jb_take(&b, len);
+    return pd_buf_take(&b, len);
 }
 
 char *api_error_sse(const api_error *e, size_t *len) {
-    jbuf b;
-    jb_init(&b);
-    jb_puts(&b, "data: ");
+    pd_buf b;
+    pd_buf_init(&b);
+    pd_buf_puts(&b, "data: ");
     write_error_object(&b, e);
-    jb_puts(&b, "\n\n");
-    return jb_take(&b, len);
+    pd_buf_puts(&b, "\n\n");
+    return pd_buf_take(&b, len);
 }
 
 void api_limits_default(api_limits *l) {
@@ -607,130 +607,131 @@ static double lp_clamp(double v) {
     return isnan(v) ? -9999.0 : v < -9999.0 ? -9999.0 : v;
 }
 
-void lp_list_write(jbuf *b, const lp_list *l, int from) {
-    jb_puts(b, "{\"text_offset\":[");
+void lp_list_write(pd_buf *b, const lp_list *l, int from) {
+    pd_buf_puts(b, "{\"text_offset\":[");
     for (int i = from; i < l->n; i++)
-        jb_printf(b, "%s%zu", i > from ? "," : "", l->items[i].text_offset);
-    jb_puts(b, "],\"token_logprobs\":[");
+        pd_buf_printf(b, "%s%zu", i > from ? "," : "", l->items[i].text_offset);
+    pd_buf_puts(b, "],\"token_logprobs\":[");
     for (int i = from; i < l->n; i++) {
-        if (i > from) jb_puts(b, ",");
+        if (i > from) pd_buf_puts(b, ",");
         if (l->items[i].has_logprob)
             jb_num(b, lp_clamp(l->items[i].logprob));
         else
-            jb_puts(b, "null");
+            pd_buf_puts(b, "null");
     }
-    jb_puts(b, "],\"tokens\":[");
+    pd_buf_puts(b, "],\"tokens\":[");
     for (int i = from; i < l->n; i++) {
-        if (i > from) jb_puts(b, ",");
+        if (i > from) pd_buf_puts(b, ",");
         jb_cstr(b, l->items[i].token);
     }
-    jb_puts(b, "],\"top_logprobs\":[");
+    pd_buf_puts(b, "],\"top_logprobs\":[");
     for (int i = from; i < l->n; i++) {
         const lp_entry *x = &l->items[i];
-        if (i > from) jb_puts(b, ",");
+        if (i > from) pd_buf_puts(b, ",");
         if (!x->has_logprob) {
-            jb_puts(b, "null");
+            pd_buf_puts(b, "null");
             continue;
         }
-        jb_puts(b, "{");
+        pd_buf_puts(b, "{");
         int written = 0;
         for (int k = 0; k < x->n_top; k++) {
             int dup = 0;
             for (int j = 0; j < k && !dup; j++)
                 dup = !strcmp(x->top_tokens[j], x->top_tokens[k]);
             if (dup) continue;
-            if (written++) jb_puts(b, ",");
+            if (written++) pd_buf_puts(b, ",");
             jb_key(b, x->top_tokens[k]);
             jb_num(b, lp_clamp(x->top_lps[k]));
         }
-        jb_puts(b, "}");
+        pd_buf_puts(b, "}");
     }
-    jb_puts(b, "]}");
+    pd_buf_puts(b, "]}");
 }
 
 /* ---- responses ---------------------------------------------------------- */
 
-static void write_head(jbuf *b, const completion_meta *m) {
-    jb_puts(b, "{\"id\":");
+static void write_head(pd_buf *b, const completion_meta *m) {
+    pd_buf_puts(b, "{\"id\":");
     jb_cstr(b, m->id);
-    jb_puts(b, ",\"object\":\"text_completion\",\"created\":");
+    pd_buf_puts(b, ",\"object\":\"text_completion\",\"created\":");
     jb_int(b, m->created);
-    jb_puts(b, ",\"model\":");
+    pd_buf_puts(b, ",\"model\":");
     jb_cstr(b, m->model);
 }
 
-static void write_choice(jbuf *b, const choice_view *c, bool full) {
-    jb_printf(b, "{\"index\":%d,\"text\":", c->index);
+static void write_choice(pd_buf *b, const choice_view *c, bool full) {
+    pd_buf_printf(b, "{\"index\":%d,\"text\":", c->index);
     jb_str(b, c->text ? c->text : "", c->text ? c->text_len : 0);
-    jb_puts(b, ",\"logprobs\":");
+    pd_buf_puts(b, ",\"logprobs\":");
     if (c->logprobs)
         lp_list_write(b, c->logprobs, c->lp_from);
     else
-        jb_puts(b, "null");
-    jb_puts(b, ",\"finish_reason\":");
+        pd_buf_puts(b, "null");
+    pd_buf_puts(b, ",\"finish_reason\":");
     jb_cstr(b, c->finish_reason);
-    jb_puts(b, ",\"stop_reason\":");
+    pd_buf_puts(b, ",\"stop_reason\":");
     if (c->stop_kind == STOP_REASON_STR)
         jb_cstr(b, c->stop_str);
     else if (c->stop_kind == STOP_REASON_ID)
         jb_int(b, c->stop_id);
     else
-        jb_puts(b, "null");
-    if (full) jb_puts(b, ",\"prompt_logprobs\":null,\"prompt_token_ids\":null,\"token_ids\":null");
-    jb_puts(b, "}");
+        pd_buf_puts(b, "null");
+    if (full)
+        pd_buf_puts(b, ",\"prompt_logprobs\":null,\"prompt_token_ids\":null,\"token_ids\":null");
+    pd_buf_puts(b, "}");
 }
 
-static void write_usage(jbuf *b, long long p, long long c, bool details) {
-    jb_printf(b, "{\"prompt_tokens\":%lld,\"total_tokens\":%lld,\"completion_tokens\":%lld%s}", p,
-              p + c, c, details ? ",\"prompt_tokens_details\":null" : "");
+static void write_usage(pd_buf *b, long long p, long long c, bool details) {
+    pd_buf_printf(b, "{\"prompt_tokens\":%lld,\"total_tokens\":%lld,\"completion_tokens\":%lld%s}",
+                  p, p + c, c, details ? ",\"prompt_tokens_details\":null" : "");
 }
 
 char *completion_response_json(const completion_meta *m, const choice_view *choices, int n_choices,
                                long long prompt_tokens, long long completion_tokens,
                                const char *kv_transfer_params, size_t *len) {
-    jbuf b;
-    jb_init(&b);
+    pd_buf b;
+    pd_buf_init(&b);
     write_head(&b, m);
-    jb_puts(&b, ",\"choices\":[");
+    pd_buf_puts(&b, ",\"choices\":[");
     for (int i = 0; i < n_choices; i++) {
-        if (i) jb_puts(&b, ",");
+        if (i) pd_buf_puts(&b, ",");
         write_choice(&b, &choices[i], true);
     }
-    jb_puts(&b, "],\"service_tier\":null,\"system_fingerprint\":null,\"usage\":");
+    pd_buf_puts(&b, "],\"service_tier\":null,\"system_fingerprint\":null,\"usage\":");
     write_usage(&b, prompt_tokens, completion_tokens, true);
-    jb_puts(&b, ",\"kv_transfer_params\":");
-    jb_puts(&b, kv_transfer_params ? kv_transfer_params : "null");
-    jb_puts(&b, "}");
-    return jb_take(&b, len);
+    pd_buf_puts(&b, ",\"kv_transfer_params\":");
+    pd_buf_puts(&b, kv_transfer_params ? kv_transfer_params : "null");
+    pd_buf_puts(&b, "}");
+    return pd_buf_take(&b, len);
 }
 
 char *completion_chunk_sse(const completion_meta *m, const choice_view *c, const long long *usage2,
                            size_t *len) {
-    jbuf b;
-    jb_init(&b);
-    jb_puts(&b, "data: ");
+    pd_buf b;
+    pd_buf_init(&b);
+    pd_buf_puts(&b, "data: ");
     write_head(&b, m);
-    jb_puts(&b, ",\"choices\":[");
+    pd_buf_puts(&b, ",\"choices\":[");
     write_choice(&b, c, false);
-    jb_puts(&b, "]");
+    pd_buf_puts(&b, "]");
     if (usage2) {
-        jb_puts(&b, ",\"usage\":");
+        pd_buf_puts(&b, ",\"usage\":");
         write_usage(&b, usage2[0], usage2[1], false);
     }
-    jb_puts(&b, "}\n\n");
-    return jb_take(&b, len);
+    pd_buf_puts(&b, "}\n\n");
+    return pd_buf_take(&b, len);
 }
 
 char *completion_usage_sse(const completion_meta *m, long long prompt_tokens,
                            long long completion_tokens, size_t *len) {
-    jbuf b;
-    jb_init(&b);
-    jb_puts(&b, "data: ");
+    pd_buf b;
+    pd_buf_init(&b);
+    pd_buf_puts(&b, "data: ");
     write_head(&b, m);
-    jb_puts(&b, ",\"choices\":[],\"usage\":");
+    pd_buf_puts(&b, ",\"choices\":[],\"usage\":");
     write_usage(&b, prompt_tokens, completion_tokens, false);
-    jb_puts(&b, "}\n\n");
-    return jb_take(&b, len);
+    pd_buf_puts(&b, "}\n\n");
+    return pd_buf_take(&b, len);
 }
 
 void completion_make_id(char out[40], uint64_t hi, uint64_t lo) {

@@ -114,8 +114,8 @@ void lp_list_clear(lp_list *l);
 /* Write {"text_offset":[...],"token_logprobs":[...],"tokens":[...],"top_logprobs":[...]}
  * for entries [from, l->n). Logprobs are clamped to >= -9999; tokens that
  * decode alike collapse into one top_logprobs key (first one wins). */
-struct jbuf;
-void lp_list_write(struct jbuf *b, const lp_list *l, int from);
+struct pd_buf;
+void lp_list_write(struct pd_buf *b, const lp_list *l, int from);
 
 /* What one choice ended up as (non-streaming), or one delta (streaming). */
 typedef struct choice_view {

@@ -2,73 +2,8 @@
 #include "server/api_json.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-
-void jb_init(jbuf *b) {
-    memset(b, 0, sizeof *b);
-}
-
-void jb_free(jbuf *b) {
-    free(b->data);
-    jb_init(b);
-}
-
-char *jb_take(jbuf *b, size_t *len) {
-    char *out = b->oom ? NULL : b->data;
-    if (b->oom) free(b->data);
-    if (!out && !b->oom) out = calloc(1, 1); /* nothing written: an empty string */
-    if (len) *len = out ? b->len : 0;
-    jb_init(b);
-    return out;
-}
-
-static bool jb_reserve(jbuf *b, size_t extra) {
-    if (b->oom) return false;
-    if (b->len + extra + 1 <= b->cap) return true;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->len + extra + 1)
-        cap *= 2;
-    char *d = realloc(b->data, cap);
-    if (!d) {
-        b->oom = true;
-        return false;
-    }
-    b->data = d;
-    b->cap = cap;
-    return true;
-}
-
-void jb_raw(jbuf *b, const char *s, size_t n) {
-    if (!jb_reserve(b, n)) return;
-    memcpy(b->data + b->len, s, n);
-    b->len += n;
-    b->data[b->len] = 0;
-}
-
-void jb_puts(jbuf *b, const char *s) {
-    jb_raw(b, s, strlen(s));
-}
-
-void jb_printf(jbuf *b, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    char small[256];
-    int n = vsnprintf(small, sizeof small, fmt, ap);
-    va_end(ap);
-    if (n < 0) return;
-    if ((size_t)n < sizeof small) {
-        jb_raw(b, small, (size_t)n);
-        return;
-    }
-    if (!jb_reserve(b, (size_t)n)) return;
-    va_start(ap, fmt);
-    vsnprintf(b->data + b->len, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    b->len += (size_t)n;
-}
 
 /* Length of the valid UTF-8 sequence at s (1..4), or 0 when the bytes there
  * are not one (overlong forms, surrogates and values past U+10FFFF included). */
@@ -95,10 +30,10 @@ static size_t utf8_seq_len(const unsigned char *s, size_t n) {
     return len;
 }
 
-void jb_str(jbuf *b, const char *s, size_t n) {
+void jb_str(pd_buf *b, const char *s, size_t n) {
     const unsigned char *p = (const unsigned char *)s;
-    if (!jb_reserve(b, n + 2)) return;
-    jb_raw(b, "\"", 1);
+    if (!pd_buf_reserve(b, n + 2)) return;
+    pd_buf_append(b, "\"", 1);
     size_t run = 0; /* bytes copied verbatim, flushed in one go */
     for (size_t i = 0; i < n;) {
         unsigned c = p[i];
@@ -127,39 +62,39 @@ void jb_str(jbuf *b, const char *s, size_t n) {
             i += sl;
             continue;
         }
-        if (run) jb_raw(b, s + i - run, run);
+        if (run) pd_buf_append(b, s + i - run, run);
         run = 0;
-        jb_puts(b, esc);
+        pd_buf_puts(b, esc);
         i += sl ? sl : 1;
     }
-    if (run) jb_raw(b, s + n - run, run);
-    jb_raw(b, "\"", 1);
+    if (run) pd_buf_append(b, s + n - run, run);
+    pd_buf_append(b, "\"", 1);
 }
 
-void jb_cstr(jbuf *b, const char *s) {
+void jb_cstr(pd_buf *b, const char *s) {
     if (s)
         jb_str(b, s, strlen(s));
     else
-        jb_puts(b, "null");
+        pd_buf_puts(b, "null");
 }
 
-void jb_int(jbuf *b, long long v) {
-    jb_printf(b, "%lld", v);
+void jb_int(pd_buf *b, long long v) {
+    pd_buf_printf(b, "%lld", v);
 }
 
-void jb_num(jbuf *b, double v) {
+void jb_num(pd_buf *b, double v) {
     if (!isfinite(v)) {
-        jb_puts(b, "null");
+        pd_buf_puts(b, "null");
         return;
     }
     char tmp[40];
     snprintf(tmp, sizeof tmp, "%.9g", v);
     /* Keep it a JSON float (as Python prints one) when it came out integral. */
     if (!strpbrk(tmp, ".eEn")) strcat(tmp, ".0");
-    jb_puts(b, tmp);
+    pd_buf_puts(b, tmp);
 }
 
-void jb_key(jbuf *b, const char *key) {
+void jb_key(pd_buf *b, const char *key) {
     jb_cstr(b, key);
-    jb_raw(b, ":", 1);
+    pd_buf_append(b, ":", 1);
 }

@@ -11,9 +11,9 @@
 #include "server/api_json.h"
 #include "server/http.h"
 
-static void reply_json(http_reply *out, unsigned status, jbuf *b) {
+static void reply_json(http_reply *out, unsigned status, pd_buf *b) {
     size_t len;
-    char *body = jb_take(b, &len);
+    char *body = pd_buf_take(b, &len);
     if (!body) {
         api_error e;
         api_fail(&e, 500, NULL, "out of memory");
@@ -30,38 +30,39 @@ void api_health(http_request *rq, http_reply *out) {
 
 void api_version(http_request *rq, http_reply *out) {
     (void)rq;
-    jbuf b;
-    jb_init(&b);
-    jb_puts(&b, "{\"version\":\"" PDSERVE_VERSION "\"}");
+    pd_buf b;
+    pd_buf_init(&b);
+    pd_buf_puts(&b, "{\"version\":\"" PDSERVE_VERSION "\"}");
     reply_json(out, 200, &b);
 }
 
 void api_models(http_request *rq, http_reply *out) {
     http_ctx *ctx = rq->ctx;
-    jbuf b;
-    jb_init(&b);
-    jb_puts(&b, "{\"object\":\"list\",\"data\":[");
+    pd_buf b;
+    pd_buf_init(&b);
+    pd_buf_puts(&b, "{\"object\":\"list\",\"data\":[");
     for (int i = 0; i < ctx->cfg.n_names; i++) {
-        if (i) jb_puts(&b, ",");
-        jb_puts(&b, "{\"id\":");
+        if (i) pd_buf_puts(&b, ",");
+        pd_buf_puts(&b, "{\"id\":");
         jb_cstr(&b, ctx->cfg.names[i]);
-        jb_printf(&b, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"pdserve\",\"root\":",
-                  ctx->started);
+        pd_buf_printf(&b,
+                      ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"pdserve\",\"root\":",
+                      ctx->started);
         jb_cstr(&b, ctx->cfg.model_root);
-        jb_printf(&b, ",\"parent\":null,\"max_model_len\":%d,\"permission\":[{\"id\":",
-                  engine_max_model_len(ctx->eng));
+        pd_buf_printf(&b, ",\"parent\":null,\"max_model_len\":%d,\"permission\":[{\"id\":",
+                      engine_max_model_len(ctx->eng));
         char id[40];
         http_new_completion_id(ctx, id);
-        jb_printf(&b, "\"modelperm-%s\"", id + 5);
-        jb_printf(&b,
-                  ",\"object\":\"model_permission\",\"created\":%lld,"
-                  "\"allow_create_engine\":false,\"allow_sampling\":true,"
-                  "\"allow_logprobs\":true,\"allow_search_indices\":false,"
-                  "\"allow_view\":true,\"allow_fine_tuning\":false,\"organization\":\"*\","
-                  "\"group\":null,\"is_blocking\":false}]}",
-                  ctx->started);
+        pd_buf_printf(&b, "\"modelperm-%s\"", id + 5);
+        pd_buf_printf(&b,
+                      ",\"object\":\"model_permission\",\"created\":%lld,"
+                      "\"allow_create_engine\":false,\"allow_sampling\":true,"
+                      "\"allow_logprobs\":true,\"allow_search_indices\":false,"
+                      "\"allow_view\":true,\"allow_fine_tuning\":false,\"organization\":\"*\","
+                      "\"group\":null,\"is_blocking\":false}]}",
+                      ctx->started);
     }
-    jb_puts(&b, "]}");
+    pd_buf_puts(&b, "]}");
     reply_json(out, 200, &b);
 }
 
@@ -148,26 +149,26 @@ void api_tokenize(http_request *rq, http_reply *out) {
         api_fail(&e, 400, "prompt", "%s", err.msg);
         goto fail;
     }
-    jbuf b;
-    jb_init(&b);
-    jb_printf(&b, "{\"count\":%d,\"max_model_len\":%d,\"tokens\":[", n,
-              engine_max_model_len(rq->ctx->eng));
+    pd_buf b;
+    pd_buf_init(&b);
+    pd_buf_printf(&b, "{\"count\":%d,\"max_model_len\":%d,\"tokens\":[", n,
+                  engine_max_model_len(rq->ctx->eng));
     for (int i = 0; i < n; i++)
-        jb_printf(&b, "%s%d", i ? "," : "", ids[i]);
-    jb_puts(&b, "],\"token_strs\":");
+        pd_buf_printf(&b, "%s%d", i ? "," : "", ids[i]);
+    pd_buf_puts(&b, "],\"token_strs\":");
     if (!strs) {
-        jb_puts(&b, "null");
+        pd_buf_puts(&b, "null");
     } else {
-        jb_puts(&b, "[");
+        pd_buf_puts(&b, "[");
         for (int i = 0; i < n; i++) {
             size_t len = 0;
             const char *bytes = tokenizer_token_bytes(tok, ids[i], &len);
-            if (i) jb_puts(&b, ",");
+            if (i) pd_buf_puts(&b, ",");
             jb_str(&b, bytes ? bytes : "", bytes ? len : 0);
         }
-        jb_puts(&b, "]");
+        pd_buf_puts(&b, "]");
     }
-    jb_puts(&b, "}");
+    pd_buf_puts(&b, "}");
     free(ids);
     cJSON_Delete(root);
     return reply_json(out, 200, &b);
@@ -205,11 +206,11 @@ void api_detokenize(http_request *rq, http_reply *out) {
     }
     size_t len = 0;
     char *text = tokenizer_decode(engine_tokenizer(rq->ctx->eng), ids, n, false, &len);
-    jbuf b;
-    jb_init(&b);
-    jb_puts(&b, "{\"prompt\":");
+    pd_buf b;
+    pd_buf_init(&b);
+    pd_buf_puts(&b, "{\"prompt\":");
     jb_str(&b, text ? text : "", text ? len : 0);
-    jb_puts(&b, "}");
+    pd_buf_puts(&b, "}");
     free(text);
     free(ids);
     cJSON_Delete(root);

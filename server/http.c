@@ -1,34 +1,24 @@
-/* http: libmicrohttpd server core — request bodies (with a size limit),
- * routing, the API key check, error replies, client-disconnect detection
- * and shutdown. See http.h. */
+/* http: pdserve's HTTP server core — routing, the API key check, error
+ * replies and shutdown, on the libmicrohttpd plumbing in common/pd_httpd.
+ * See http.h. */
 #include "server/http.h"
 
 #include <microhttpd.h>
-#include <netdb.h>
-#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "common/pd_httpd.h"
 #include "server/api_json.h"
 
 struct http_server {
     http_ctx ctx;
-    struct MHD_Daemon *daemon;
-    int port;
-    bool quiesced;
+    pd_httpd httpd;
 };
-
-/* Per-connection state while a request body arrives. */
-typedef struct body_state {
-    jbuf body;
-    bool too_large;
-} body_state;
 
 typedef void (*handler_fn)(http_request *, http_reply *);
 
@@ -79,21 +69,6 @@ static void reply_simple_error(http_reply *r, int status, const char *msg) {
     http_reply_error(r, &e);
 }
 
-bool http_client_gone(struct MHD_Connection *conn) {
-    const union MHD_ConnectionInfo *ci =
-        MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (!ci) return false;
-    struct pollfd p = {.fd = ci->connect_fd, .events = POLLIN | POLLRDHUP};
-    if (poll(&p, 1, 0) <= 0) return false;
-    if (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) return true;
-    if (p.revents & POLLIN) { /* readable: EOF, or the client pipelined more bytes */
-        char c;
-        ssize_t n = recv(ci->connect_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-        return n == 0;
-    }
-    return false;
-}
-
 void http_new_completion_id(http_ctx *ctx, char out[40]) {
     uint64_t n = atomic_fetch_add(&ctx->next_id, 1);
     /* splitmix64 of a per-server salt and a counter: unique and unguessable enough. */
@@ -142,7 +117,7 @@ static bool is_json_type(const char *ct) {
 }
 
 static void dispatch(http_server *s, struct MHD_Connection *conn, const char *url,
-                     const char *method, body_state *bs, http_reply *out) {
+                     const char *method, pd_httpd_body *bs, http_reply *out) {
     http_ctx *ctx = &s->ctx;
     if (!strcmp(method, "OPTIONS")) { /* CORS preflight and probes: always allowed */
         http_reply_body(out, 200, NULL, NULL, 0);
@@ -190,23 +165,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
                                   size_t *upload_size, void **con_cls) {
     (void)version;
     http_server *s = cls;
-    body_state *bs = *con_cls;
-    if (!bs) { /* first call: only the headers are here */
-        bs = calloc(1, sizeof *bs);
-        if (!bs) return MHD_NO;
-        jb_init(&bs->body);
-        *con_cls = bs;
-        return MHD_YES;
-    }
-    if (*upload_size) {
-        if (!bs->too_large && bs->body.len + *upload_size > s->ctx.cfg.max_body_bytes) {
-            bs->too_large = true;
-            jb_free(&bs->body);
-        }
-        if (!bs->too_large) jb_raw(&bs->body, upload_data, *upload_size);
-        *upload_size = 0;
-        return MHD_YES;
-    }
+    pd_httpd_body *bs = NULL;
+    int got = pd_httpd_body_read(con_cls, upload_data, upload_size, s->ctx.cfg.max_body_bytes, &bs);
+    if (got <= 0) return got == 0 ? MHD_YES : MHD_NO;
     http_reply out = {0};
     dispatch(s, conn, url, method, bs, &out);
     if (out.close || !out.resp) {
@@ -222,24 +183,9 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
     (void)cls;
     (void)conn;
-    body_state *bs = *con_cls;
     if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK)
         pd_log(PD_LOG_DEBUG, "http: request ended early (libmicrohttpd code %d)", (int)toe);
-    if (bs) {
-        jb_free(&bs->body);
-        free(bs);
-    }
-    *con_cls = NULL;
-}
-
-static void on_mhd_log(void *cls, const char *fmt, va_list ap) {
-    (void)cls;
-    char msg[400];
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    size_t n = strlen(msg);
-    while (n && (msg[n - 1] == '\n' || msg[n - 1] == '\r'))
-        msg[--n] = 0;
-    pd_log(PD_LOG_DEBUG, "libmicrohttpd: %s", msg);
+    pd_httpd_body_free(con_cls);
 }
 
 int http_server_start(const http_config *cfg, engine *e, metrics *m, http_server **out,
@@ -262,56 +208,21 @@ int http_server_start(const http_config *cfg, engine *e, metrics *m, http_server
     atomic_init(&s->ctx.draining, false);
     atomic_init(&s->ctx.hard_stop, false);
 
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD |
-                     MHD_USE_POLL | MHD_USE_ITC | MHD_USE_ERROR_LOG;
-    struct addrinfo *ai = NULL;
-    if (cfg->host && cfg->host[0]) {
-        char port[16];
-        snprintf(port, sizeof port, "%d", cfg->port);
-        struct addrinfo hints = {
-            .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
-        int rc = getaddrinfo(cfg->host, port, &hints, &ai);
-        if (rc != 0) {
-            free(s);
-            return pd_fail(err, "--host %s: %s", cfg->host, gai_strerror(rc));
-        }
-        if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
-    }
-    struct MHD_OptionItem opts[] = {
-        {MHD_OPTION_NOTIFY_COMPLETED, (intptr_t)on_completed, NULL},
-        {MHD_OPTION_EXTERNAL_LOGGER, (intptr_t)on_mhd_log, NULL},
-        {MHD_OPTION_CONNECTION_TIMEOUT, 300, NULL},
-        {MHD_OPTION_CONNECTION_LIMIT, 4096, NULL},
-        {MHD_OPTION_THREAD_STACK_SIZE, 1 << 20, NULL},
-        {MHD_OPTION_LISTENING_ADDRESS_REUSE, 1, NULL},
-        {MHD_OPTION_LISTEN_BACKLOG_SIZE, 1024, NULL},
-        {ai ? MHD_OPTION_SOCK_ADDR : MHD_OPTION_END, 0, ai ? ai->ai_addr : NULL},
-        {MHD_OPTION_END, 0, NULL},
-    };
-    s->daemon = MHD_start_daemon(flags, (uint16_t)cfg->port, NULL, NULL, on_request, s,
-                                 MHD_OPTION_ARRAY, opts, MHD_OPTION_END);
-    if (ai) freeaddrinfo(ai);
-    if (!s->daemon) {
+    if (pd_httpd_start(&s->httpd, cfg->host, cfg->port, 300, on_request, s, on_completed, err)) {
         free(s);
-        return pd_fail(err, "cannot listen on %s:%d (address in use?)",
-                       cfg->host ? cfg->host : "0.0.0.0", cfg->port);
+        return -1;
     }
-    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->daemon, MHD_DAEMON_INFO_BIND_PORT);
-    s->port = di ? di->port : cfg->port;
     *out = s;
     return 0;
 }
 
 int http_server_port(const http_server *s) {
-    return s->port;
+    return s->httpd.port;
 }
 
 void http_server_quiesce(http_server *s) {
     atomic_store(&s->ctx.draining, true);
-    if (s->quiesced) return;
-    MHD_socket fd = MHD_quiesce_daemon(s->daemon);
-    if (fd != MHD_INVALID_SOCKET) close(fd);
-    s->quiesced = true;
+    pd_httpd_quiesce(&s->httpd);
 }
 
 int http_server_active(const http_server *s) {
@@ -325,6 +236,6 @@ void http_server_abort_all(http_server *s) {
 void http_server_stop(http_server *s) {
     if (!s) return;
     atomic_store(&s->ctx.hard_stop, true);
-    MHD_stop_daemon(s->daemon);
+    pd_httpd_stop(&s->httpd);
     free(s);
 }

@@ -85,8 +85,6 @@ typedef struct http_reply {
 void http_reply_body(http_reply *r, unsigned status, const char *content_type, char *body,
                      size_t len);
 void http_reply_error(http_reply *r, const api_error *e);
-/* True when the client closed its side of the connection. */
-bool http_client_gone(struct MHD_Connection *conn);
 /* A fresh "cmpl-<32 hex>" id. */
 void http_new_completion_id(http_ctx *ctx, char out[40]);
 /* 404 unless model is NULL or one of the served names. */

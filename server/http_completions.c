@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/pd_httpd.h"
 #include "model/tokenizer.h"
 #include "server/api_json.h"
 #include "server/http.h"
@@ -23,7 +24,7 @@ typedef struct choice {
     int prompt; /* index into run->prompts */
     int index;  /* the choice index clients see */
     detok_stream *ds;
-    jbuf text;   /* output text so far (after stop-string truncation) */
+    pd_buf text; /* output text so far (after stop-string truncation) */
     size_t sent; /* bytes of text already streamed */
     int n_read;  /* tokens consumed from the sequence */
     int32_t last_id;
@@ -63,7 +64,7 @@ typedef struct comp_run {
     long long prompt_tokens;
     bool counted; /* holds one unit of ctx->active */
     /* streaming */
-    jbuf out;
+    pd_buf out;
     size_t out_pos;
     bool stream_done, error_sent;
     engine_token tbuf[READ_BATCH];
@@ -119,7 +120,7 @@ static void run_free(comp_run *r) {
             engine_seq_release(c->seq);
         }
         detok_stream_free(c->ds);
-        jb_free(&c->text);
+        pd_buf_free(&c->text);
         lp_list_clear(&c->lp);
         free(c->times);
     }
@@ -131,7 +132,7 @@ static void run_free(comp_run *r) {
         }
     free(r->prompts);
     completion_request_free(&r->req);
-    jb_free(&r->out);
+    pd_buf_free(&r->out);
     free(r->top_ids);
     free(r->top_lps);
     if (r->counted) atomic_fetch_sub(&r->ctx->active, 1);
@@ -181,7 +182,7 @@ static void choice_feed(comp_run *r, choice *c, const engine_token *t, const int
     if (final_stop && !r->req.include_stop_str_in_output) return;
     size_t prev = c->text.len, n = 0;
     const char *piece = detok_stream_step(c->ds, t->id, &n);
-    if (n) jb_raw(&c->text, piece, n);
+    if (n) pd_buf_append(&c->text, piece, n);
     if (r->req.n_stop == 0 || c->text.len == prev) return;
     size_t at = 0;
     int hit = stop_find(c->text.data, c->text.len, prev, r->req.stop, r->req.n_stop, &at);
@@ -413,7 +414,7 @@ static int run_submit(comp_run *r, api_error *e) {
         choice *c = &r->ch[i];
         c->prompt = i / q->n;
         c->index = i;
-        jb_init(&c->text);
+        pd_buf_init(&c->text);
         c->ds = detok_stream_create(r->tok, q->skip_special_tokens);
         if (!c->ds) return api_fail(e, 500, NULL, "out of memory");
         if (q->echo && q->logprobs >= 0) echo_logprobs(r, c);
@@ -444,7 +445,7 @@ static int run_submit(comp_run *r, api_error *e) {
 
 static void reply_full(comp_run *r, http_reply *out) {
     choice_view *views = calloc((size_t)r->n_ch, sizeof(choice_view));
-    jbuf *texts = calloc((size_t)r->n_ch, sizeof(jbuf));
+    pd_buf *texts = calloc((size_t)r->n_ch, sizeof(pd_buf));
     if (!views || !texts) {
         free(views);
         free(texts);
@@ -463,10 +464,11 @@ static void reply_full(comp_run *r, http_reply *out) {
             return http_reply_error(out, &e);
         }
         choice_view_fill(r, c, &views[i]);
-        jb_init(&texts[i]);
+        pd_buf_init(&texts[i]);
         if (r->req.echo)
-            jb_raw(&texts[i], r->prompts[c->prompt].echo_text, r->prompts[c->prompt].echo_len);
-        jb_raw(&texts[i], c->text.data ? c->text.data : "", c->text.len);
+            pd_buf_append(&texts[i], r->prompts[c->prompt].echo_text,
+                          r->prompts[c->prompt].echo_len);
+        pd_buf_append(&texts[i], c->text.data ? c->text.data : "", c->text.len);
         views[i].text = texts[i].data;
         views[i].text_len = texts[i].len;
     }
@@ -479,7 +481,7 @@ static void reply_full(comp_run *r, http_reply *out) {
     char *body = completion_response_json(&r->meta, views, r->n_ch, r->prompt_tokens,
                                           completion_tokens(r), have_kv ? kv_params : NULL, &len);
     for (int i = 0; i < r->n_ch; i++)
-        jb_free(&texts[i]);
+        pd_buf_free(&texts[i]);
     free(views);
     free(texts);
     http_reply_body(out, 200, "application/json", body, len);
@@ -490,7 +492,7 @@ static void reply_full(comp_run *r, http_reply *out) {
 /* Append an event (NUL-terminated, as the builders return it) and free it. */
 static void emit(comp_run *r, char *event) {
     if (event)
-        jb_puts(&r->out, event);
+        pd_buf_puts(&r->out, event);
     else
         r->out.oom = true;
     free(event);
@@ -521,11 +523,11 @@ static void stream_collect(comp_run *r) {
         /* New logprobs of generated tokens (echoed prompt entries ride along). */
         bool new_lp = c->lp.n > (c->lp_sent > c->lp_prompt ? c->lp_sent : c->lp_prompt);
         if (end == c->sent && !new_lp && !c->done) continue;
-        jbuf t;
-        jb_init(&t);
+        pd_buf t;
+        pd_buf_init(&t);
         if (r->req.echo && !c->echo_sent)
-            jb_raw(&t, r->prompts[c->prompt].echo_text, r->prompts[c->prompt].echo_len);
-        if (end > c->sent) jb_raw(&t, c->text.data + c->sent, end - c->sent);
+            pd_buf_append(&t, r->prompts[c->prompt].echo_text, r->prompts[c->prompt].echo_len);
+        if (end > c->sent) pd_buf_append(&t, c->text.data + c->sent, end - c->sent);
         choice_view v;
         choice_view_fill(r, c, &v);
         v.text = t.data;
@@ -533,7 +535,7 @@ static void stream_collect(comp_run *r) {
         v.lp_from = c->lp_sent;
         long long usage[2] = {r->prompt_tokens, completion_tokens(r)};
         emit(r, completion_chunk_sse(&r->meta, &v, r->req.continuous_usage ? usage : NULL, NULL));
-        jb_free(&t);
+        pd_buf_free(&t);
         c->echo_sent = true;
         c->sent = end;
         c->lp_sent = c->lp.n;
@@ -545,7 +547,7 @@ static void stream_finish(comp_run *r) {
     if (r->req.include_usage && !r->error_sent) {
         emit(r, completion_usage_sse(&r->meta, r->prompt_tokens, completion_tokens(r), NULL));
     }
-    jb_puts(&r->out, "data: [DONE]\n\n");
+    pd_buf_puts(&r->out, "data: [DONE]\n\n");
     r->stream_done = true;
 }
 
@@ -555,7 +557,7 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
     while (r->out_pos == r->out.len) {
         if (r->stream_done) return MHD_CONTENT_READER_END_OF_STREAM;
         r->out.len = r->out_pos = 0;
-        if (http_client_gone(r->conn)) {
+        if (pd_httpd_client_gone(r->conn)) {
             run_abort_all(r);
             return MHD_CONTENT_READER_END_WITH_ERROR;
         }
@@ -587,7 +589,7 @@ void api_completions(http_request *rq, http_reply *out) {
     }
     r->ctx = ctx;
     r->conn = rq->conn;
-    jb_init(&r->out);
+    pd_buf_init(&r->out);
     atomic_fetch_add(&ctx->active, 1);
     r->counted = true;
     http_new_completion_id(ctx, r->id);
@@ -617,7 +619,7 @@ void api_completions(http_request *rq, http_reply *out) {
     for (;;) {
         if (atomic_load(&ctx->hard_stop)) run_abort_all(r);
         if (run_poll(r)) break;
-        if (http_client_gone(rq->conn)) {
+        if (pd_httpd_client_gone(rq->conn)) {
             run_abort_all(r);
             run_free(r);
             out->close = true;

@@ -91,18 +91,18 @@ static void hist_observe(histogram *h, double v) {
 metrics *metrics_create(const char *model_name, int max_model_len) {
     metrics *m = calloc(1, sizeof *m);
     if (!m) return NULL;
-    jbuf b;
-    jb_init(&b);
-    jb_puts(&b, "model_name=\"");
+    pd_buf b;
+    pd_buf_init(&b);
+    pd_buf_puts(&b, "model_name=\"");
     for (const char *p = model_name; *p; p++) { /* label value escaping */
-        if (*p == '\\' || *p == '"') jb_raw(&b, "\\", 1);
+        if (*p == '\\' || *p == '"') pd_buf_append(&b, "\\", 1);
         if (*p == '\n')
-            jb_puts(&b, "\\n");
+            pd_buf_puts(&b, "\\n");
         else
-            jb_raw(&b, p, 1);
+            pd_buf_append(&b, p, 1);
     }
-    jb_puts(&b, "\",engine=\"0\"");
-    m->labels = jb_take(&b, NULL);
+    pd_buf_puts(&b, "\",engine=\"0\"");
+    m->labels = pd_buf_take(&b, NULL);
     if (!m->labels) {
         free(m);
         return NULL;
@@ -158,59 +158,60 @@ unsigned long long metrics_finished(metrics *m, finish_reason r) {
 }
 
 /* Numbers as prometheus_client prints them: floats with a decimal point. */
-static void prom_num(jbuf *b, double v) {
+static void prom_num(pd_buf *b, double v) {
     if (isinf(v))
-        jb_puts(b, v > 0 ? "+Inf" : "-Inf");
+        pd_buf_puts(b, v > 0 ? "+Inf" : "-Inf");
     else if (isnan(v))
-        jb_puts(b, "NaN");
+        pd_buf_puts(b, "NaN");
     else if (v == floor(v) && fabs(v) < 1e15)
-        jb_printf(b, "%.1f", v);
+        pd_buf_printf(b, "%.1f", v);
     else
-        jb_printf(b, "%.17g", v);
+        pd_buf_printf(b, "%.17g", v);
 }
 
-static void head(jbuf *b, const char *name, const char *type, const char *help) {
-    jb_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+static void head(pd_buf *b, const char *name, const char *type, const char *help) {
+    pd_buf_printf(b, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-static void sample(jbuf *b, const metrics *m, const char *name, const char *type, const char *help,
-                   double v) {
+static void sample(pd_buf *b, const metrics *m, const char *name, const char *type,
+                   const char *help, double v) {
     head(b, name, type, help);
-    jb_printf(b, "%s{%s} ", name, m->labels);
+    pd_buf_printf(b, "%s{%s} ", name, m->labels);
     prom_num(b, v);
-    jb_puts(b, "\n");
+    pd_buf_puts(b, "\n");
 }
 
-static void hist_write(jbuf *b, const metrics *m, const histogram *h) {
+static void hist_write(pd_buf *b, const metrics *m, const histogram *h) {
     head(b, h->name, "histogram", h->help);
     uint64_t cum = 0;
     for (int i = 0; i <= h->n_bounds; i++) {
         cum += h->counts[i];
-        jb_printf(b, "%s_bucket{%s,le=\"", h->name, m->labels);
+        pd_buf_printf(b, "%s_bucket{%s,le=\"", h->name, m->labels);
         prom_num(b, i < h->n_bounds ? h->bounds[i] : INFINITY);
-        jb_puts(b, "\"} ");
+        pd_buf_puts(b, "\"} ");
         prom_num(b, (double)cum);
-        jb_puts(b, "\n");
+        pd_buf_puts(b, "\n");
     }
-    jb_printf(b, "%s_count{%s} ", h->name, m->labels);
+    pd_buf_printf(b, "%s_count{%s} ", h->name, m->labels);
     prom_num(b, (double)h->count);
-    jb_printf(b, "\n%s_sum{%s} ", h->name, m->labels);
+    pd_buf_printf(b, "\n%s_sum{%s} ", h->name, m->labels);
     prom_num(b, h->sum);
-    jb_puts(b, "\n");
+    pd_buf_puts(b, "\n");
 }
 
 /* A counter with a result="ok"/"failed" label pair. */
-static void ok_failed(jbuf *b, const metrics *m, const char *name, const char *help, uint64_t ok, uint64_t failed) {
+static void ok_failed(pd_buf *b, const metrics *m, const char *name, const char *help, uint64_t ok,
+                      uint64_t failed) {
     head(b, name, "counter", help);
-    jb_printf(b, "%s{%s,result=\"ok\"} ", name, m->labels);
+    pd_buf_printf(b, "%s{%s,result=\"ok\"} ", name, m->labels);
     prom_num(b, (double)ok);
-    jb_printf(b, "\n%s{%s,result=\"failed\"} ", name, m->labels);
+    pd_buf_printf(b, "\n%s{%s,result=\"failed\"} ", name, m->labels);
     prom_num(b, (double)failed);
-    jb_puts(b, "\n");
+    pd_buf_puts(b, "\n");
 }
 
 /* KV transfer (disaggregation) counters of a prefill or decode instance. */
-static void kv_metrics(jbuf *b, const metrics *m, const kv_connector_stats *kv) {
+static void kv_metrics(pd_buf *b, const metrics *m, const kv_connector_stats *kv) {
     ok_failed(b, m, "pdserve:kv_saves_total", "Requests whose prompt KV was handed to the transfer engine (producer).",
               kv->saves_ok, kv->saves_failed);
     ok_failed(b, m, "pdserve:kv_loads_total", "Requests whose prompt KV was received and written into the cache (consumer).",
@@ -231,8 +232,8 @@ static void kv_metrics(jbuf *b, const metrics *m, const kv_connector_stats *kv) 
 }
 
 char *metrics_render(metrics *m, const engine_stats *st, size_t *len) {
-    jbuf b;
-    jb_init(&b);
+    pd_buf b;
+    pd_buf_init(&b);
     if (st) {
         sample(&b, m, "vllm:num_requests_running", "gauge",
                "Number of requests in model execution batches.", st->running);
@@ -268,13 +269,13 @@ char *metrics_render(metrics *m, const engine_stats *st, size_t *len) {
     pthread_mutex_lock(&m->mu);
     head(&b, "vllm:request_success_total", "counter", "Count of successfully processed requests.");
     for (int i = 0; i < N_REASONS; i++) {
-        jb_printf(&b, "vllm:request_success_total{%s,finished_reason=\"%s\"} ", m->labels,
-                  reason_names[i]);
+        pd_buf_printf(&b, "vllm:request_success_total{%s,finished_reason=\"%s\"} ", m->labels,
+                      reason_names[i]);
         prom_num(&b, (double)m->success[i]);
-        jb_puts(&b, "\n");
+        pd_buf_puts(&b, "\n");
     }
     for (int i = 0; i < H_COUNT; i++)
         hist_write(&b, m, &m->h[i]);
     pthread_mutex_unlock(&m->mu);
-    return jb_take(&b, len);
+    return pd_buf_take(&b, len);
 }

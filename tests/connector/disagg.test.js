@@ -10,49 +10,27 @@
 'use strict';
 const test = require('node:test');
 const assert = require('node:assert');
+const http = require('../common/http');
+
+const { parseSSE, stream, metrics, pool } = http;
 
 const E = process.env;
 const COLO = E.URL_colo;
 const MAX_TOKENS = 8;
 
-async function post(base, body) {
-  const res = await fetch(base + '/v1/completions', {
-    method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify(body),
-  });
-  const text = await res.text();
-  let json = null;
-  try { json = JSON.parse(text); } catch { /* SSE or garbage */ }
-  return { status: res.status, text, json };
-}
+// Every request here is a completion.
+const post = (base, body) => http.post(base, '/v1/completions', body);
 
+// The text of a streamed completion; an error event throws.
 function sseText(body) {
-  let text = '', done = false;
-  for (const part of body.split('\n\n')) {
-    if (!part.startsWith('data: ')) continue;
-    const d = part.slice(6);
-    if (d === '[DONE]') { done = true; continue; }
-    const j = JSON.parse(d);
+  const s = parseSSE(body);
+  let text = '';
+  for (const j of s.events) {
     if (j.error) throw new Error('stream error: ' + j.error.message);
     for (const c of j.choices) text += c.text;
   }
-  assert.ok(done, 'stream ends with [DONE]');
+  assert.ok(s.done, 'stream ends with [DONE]');
   return text;
-}
-
-async function metrics(base) {
-  const text = await (await fetch(base + '/metrics')).text();
-  const sum = (name, frag = '') => {
-    let s = 0;
-    for (const line of text.split('\n')) {
-      if (!line || line[0] === '#') continue;
-      const sp = line.lastIndexOf(' ');
-      const key = line.slice(0, sp);
-      const n = key.includes('{') ? key.slice(0, key.indexOf('{')) : key;
-      if (n === name && key.includes(frag)) s += Number(line.slice(sp + 1));
-    }
-    return s;
-  };
-  return { text, sum };
 }
 
 // Prompts as token ids so lengths are exact: 1 token, around block
@@ -90,25 +68,13 @@ async function disagg(P, D, dKv, prompt, streaming) {
   assert.equal(kv.num_tokens, prompt.length);
   const body = { prompt, max_tokens: MAX_TOKENS, temperature: 0, ignore_eos: true, kv_transfer_params: kv };
   if (streaming) {
-    const res = await fetch(D + '/v1/completions', {
-      method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ ...body, stream: true }),
-    });
-    const t = await res.text();
-    assert.equal(res.status, 200, t);
-    return sseText(t);
+    const r = await stream(D, body);
+    assert.equal(r.status, 200, r.text);
+    return sseText(r.text);
   }
   const dec = await post(D, body);
   assert.equal(dec.status, 200, `decode: ${dec.text}`);
   return dec.json.choices[0].text;
-}
-
-async function pool(items, limit, fn) {
-  const out = new Array(items.length);
-  let next = 0;
-  await Promise.all(Array.from({ length: limit }, async () => {
-    while (next < items.length) { const i = next++; out[i] = await fn(items[i], i); }
-  }));
-  return out;
 }
 
 let REF;

@@ -8,38 +8,19 @@ set -u
 bin=${PDSERVE_BIN:?}
 src=${PDSERVE_SRC:?}
 dir="$src/tests/connector"
-tmp=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
-  wait 2>/dev/null
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-
-if [ ! -d "$src/tests/server/node_modules/openai" ]; then
-  (cd "$src/tests/server" && npm install --no-audit --no-fund --no-package-lock --silent) || { echo "FAIL: npm install"; exit 1; }
-fi
+. "$src/tests/common/servers.sh"
+servers_need_node
+servers_init KILL
 "$bin" make-model "$tmp/model" --preset tiny --seed 11 2>/dev/null || { echo "FAIL: make-model"; exit 1; }
 
 # Free TCP ports for the KV control planes.
-freeport() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'; }
+freeport() { free_ports 1; }
 
 start() { # name, then serve flags; exports URL_<name>
   local name=$1; shift
-  "$bin" serve "$tmp/model" --host 127.0.0.1 --port 0 --max-model-len 256 --num-gpu-blocks-override 256 \
-    --log-level "${PD_LOG_LEVEL:-info}" "$@" >"$tmp/$name.log" 2>&1 &
-  pids+=($!)
-  eval "PID_$name=$!"
-  local port=""
-  for _ in $(seq 1 300); do
-    port=$(sed -n 's/.* on http:\/\/[^:]*:\([0-9]*\) .*/\1/p' "$tmp/$name.log" | head -1)
-    [ -n "$port" ] && break
-    kill -0 "${pids[-1]}" 2>/dev/null || break
-    sleep 0.1
-  done
-  if [ -z "$port" ]; then echo "FAIL: server $name did not start:"; cat "$tmp/$name.log"; exit 1; fi
-  export "URL_$name=http://127.0.0.1:$port"
+  serve_start "$name" --max-model-len 256 --num-gpu-blocks-override 256 \
+    --log-level "${PD_LOG_LEVEL:-info}" "$@"
+  export "URL_$name"
 }
 
 kvcfg() { # role port send_type [extra json fields]

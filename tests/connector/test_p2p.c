@@ -5,6 +5,7 @@
  * are given back. The ASan build checks for leaks and races on memory. */
 #include "connector/p2p.h"
 #include "tests/common/testlib.h"
+#include "tests/connector/p2p_test_util.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -28,17 +29,6 @@ static p2p_engine *mk(double budget, double timeout, const char *fp) {
     return e;
 }
 
-/* The bytes a tensor must hold: a xorshift stream seeded by its id. */
-static void fill(const char *id, uint8_t *p, size_t n) {
-    uint64_t s = 1469598103934665603ull;
-    for (const char *c = id; *c; c++)
-        s = (s ^ (uint8_t)*c) * 1099511628211ull;
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-        p[i] = (uint8_t)s;
-    }
-}
-
 static uint8_t *make_data(const char *id, size_t n) {
     uint8_t *p = malloc(n ? n : 1);
     fill(id, p, n);
@@ -51,25 +41,6 @@ static bool holds(const p2p_tensor *t, const char *id, size_t n) {
     bool ok = n == 0 || memcmp(want, t->data, n) == 0;
     free(want);
     return ok;
-}
-
-/* Polls p2p_take until the tensor is here, failed, or `wait` seconds passed. */
-static int take_wait(p2p_engine *e, const char *id, double wait, p2p_tensor **out, pd_err *err) {
-    double end = pd_now() + wait;
-    for (;;) {
-        int rc = p2p_take(e, id, out, err);
-        if (rc != 0 || pd_now() > end) return rc;
-        usleep(500);
-    }
-}
-
-static int status_wait(p2p_engine *e, const char *id, double wait, pd_err *err) {
-    double end = pd_now() + wait;
-    for (;;) {
-        int rc = p2p_send_status(e, id, err);
-        if (rc != 0 || pd_now() > end) return rc;
-        usleep(500);
-    }
 }
 
 static p2p_stats stats(p2p_engine *e) {

@@ -18,6 +18,8 @@ int main(void) {
 #include <string.h>
 #include <unistd.h>
 
+#include "tests/connector/p2p_test_util.h"
+
 #define MB (1024u * 1024u)
 
 static p2p_engine *mk(int device, double budget, double timeout) {
@@ -33,16 +35,6 @@ static p2p_engine *mk(int device, double budget, double timeout) {
     if (p2p_create(&cfg, &e, &err) != 0)
         fprintf(stderr, "p2p_create on GPU %d: %s\n", device, err.msg);
     return e;
-}
-
-static void fill(const char *id, uint8_t *p, size_t n) {
-    uint64_t s = 1469598103934665603ull;
-    for (const char *c = id; *c; c++)
-        s = (s ^ (uint8_t)*c) * 1099511628211ull;
-    for (size_t i = 0; i < n; i++) {
-        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-        p[i] = (uint8_t)s;
-    }
 }
 
 /* A device buffer on e's GPU holding id's pattern. */
@@ -67,24 +59,6 @@ static bool holds(const p2p_tensor *t, const char *id, size_t n) {
     free(got);
     free(want);
     return ok;
-}
-
-static int take_wait(p2p_engine *e, const char *id, double wait, p2p_tensor **out, pd_err *err) {
-    double end = pd_now() + wait;
-    for (;;) {
-        int rc = p2p_take(e, id, out, err);
-        if (rc != 0 || pd_now() > end) return rc;
-        usleep(500);
-    }
-}
-
-static int status_wait(p2p_engine *e, const char *id, double wait, pd_err *err) {
-    double end = pd_now() + wait;
-    for (;;) {
-        int rc = p2p_send_status(e, id, err);
-        if (rc != 0 || pd_now() > end) return rc;
-        usleep(500);
-    }
 }
 
 /* One GPU: what can be checked without a partner — a consumer that never joins the

@@ -1,9 +1,12 @@
-// Helpers for the pdproxy tests: HTTP calls, SSE parsing, /metrics scraping,
-// a bounded-concurrency pool, and starting extra pdproxy / pdserve processes.
+// Helpers for the pdproxy tests: the shared ones of tests/common/http.js, plus
+// reading a completion's text and starting extra pdproxy / pdserve processes.
 // The stacks themselves are started by test_proxy.sh; their URLs come in env.
 'use strict';
 const { spawn } = require('node:child_process');
 const fs = require('node:fs');
+const http = require('../common/http');
+
+const { waitFor } = http;
 
 const env = {
   ref: process.env.PD_URL_REF, // colocated pdserve
@@ -19,47 +22,6 @@ const env = {
   model: 'tiny',
 };
 
-function parseJSON(text) {
-  try { return JSON.parse(text); } catch { return null; }
-}
-
-async function post(base, path, body, { headers = {}, signal } = {}) {
-  const res = await fetch(base + path, {
-    method: 'POST', signal,
-    headers: { 'Content-Type': 'application/json', ...headers },
-    body: typeof body === 'string' ? body : JSON.stringify(body),
-  });
-  const text = await res.text();
-  return { status: res.status, headers: res.headers, text, json: parseJSON(text) };
-}
-
-async function get(base, path, headers = {}) {
-  const res = await fetch(base + path, { headers });
-  const text = await res.text();
-  return { status: res.status, headers: res.headers, text, json: parseJSON(text) };
-}
-
-function parseSSE(text) {
-  const events = [];
-  let done = false, wellFormed = true;
-  const parts = text.split('\n\n');
-  if (parts[parts.length - 1] !== '') wellFormed = false;
-  for (const p of parts.slice(0, -1)) {
-    if (!p.startsWith('data: ')) { wellFormed = false; continue; }
-    const data = p.slice(6);
-    if (data === '[DONE]') { if (done) wellFormed = false; done = true; continue; }
-    if (done) wellFormed = false;
-    const j = parseJSON(data);
-    if (!j) wellFormed = false; else events.push(j);
-  }
-  return { events, done, wellFormed };
-}
-
-async function stream(base, body, opts = {}) {
-  const r = await post(base, '/v1/completions', { ...body, stream: true }, opts);
-  return { ...r, ...parseSSE(r.text) };
-}
-
 // The text and finish reason of a completion, streamed or not.
 function completionOf(r, streamed) {
   if (!streamed) {
@@ -72,54 +34,6 @@ function completionOf(r, streamed) {
     for (const c of e.choices || []) { text += c.text; if (c.finish_reason) finish = c.finish_reason; }
   }
   return { text, finish };
-}
-
-async function metrics(base) {
-  const r = await get(base, '/metrics');
-  const values = new Map();
-  for (const line of r.text.split('\n')) {
-    if (!line || line.startsWith('#')) continue;
-    const sp = line.lastIndexOf(' ');
-    values.set(line.slice(0, sp), Number(line.slice(sp + 1)));
-  }
-  const sum = (name, frag = '') => {
-    let s = 0;
-    for (const [k, v] of values) {
-      const n = k.indexOf('{') < 0 ? k : k.slice(0, k.indexOf('{'));
-      if (n === name && k.includes(frag)) s += v;
-    }
-    return s;
-  };
-  return { text: r.text, values, sum };
-}
-
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-
-async function waitFor(pred, ms = 10000) {
-  const end = Date.now() + ms;
-  for (;;) {
-    try { if (await pred()) return true; } catch { /* not up yet */ }
-    if (Date.now() > end) return false;
-    await sleep(50);
-  }
-}
-
-async function pool(items, limit, fn) {
-  const out = new Array(items.length);
-  let next = 0;
-  const workers = Array.from({ length: Math.min(limit, items.length) }, async () => {
-    while (next < items.length) {
-      const i = next++;
-      out[i] = await fn(items[i], i);
-    }
-  });
-  await Promise.all(workers);
-  return out;
-}
-
-function isErrorShape(j, status) {
-  return !!(j && j.error && typeof j.error.message === 'string' && j.error.message.length > 0 &&
-    typeof j.error.type === 'string' && 'param' in j.error && j.error.code === status);
 }
 
 // Start a pdproxy with extra flags on a free port; resolves to { url, proc, log }.
@@ -171,7 +85,4 @@ function prompts(n, seed = 7) {
   });
 }
 
-module.exports = {
-  env, post, get, stream, parseSSE, completionOf, metrics, sleep, waitFor, pool, isErrorShape,
-  startProxy, stopProc, startInstance, prompts,
-};
+module.exports = { ...http, env, completionOf, startProxy, stopProc, startInstance, prompts };

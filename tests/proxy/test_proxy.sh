@@ -13,34 +13,18 @@ src=${PDSERVE_SRC:-$(cd "$(dirname "$0")/../.." && pwd)}
 build=${PDSERVE_BUILD:-$(dirname "$bin")}
 proxy=$build/pdproxy
 dir="$src/tests/proxy"
-if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-  echo "FAIL: node/npm not installed (scripts/setup-deps.sh installs them)"; exit 1
-fi
-[ -x "$proxy" ] || { echo "FAIL: $proxy not built"; exit 1; }
+. "$src/tests/common/servers.sh"
 # The `openai` package comes from tests/server/node_modules (installed there
 # from tests/server/package.json when missing), found through NODE_PATH.
-mods="$src/tests/server/node_modules"
-if [ ! -d "$mods/openai" ]; then
-  (cd "$src/tests/server" && npm install --no-audit --no-fund --no-package-lock --silent) || { echo "FAIL: npm install"; exit 1; }
-fi
-export NODE_PATH="$mods"
-tmp=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
-  wait 2>/dev/null
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
+servers_need_node
+[ -x "$proxy" ] || { echo "FAIL: $proxy not built"; exit 1; }
+export NODE_PATH="$src/tests/server/node_modules"
+servers_init
 
 "$bin" make-model "$tmp/model" --preset tiny --seed 1 >/dev/null 2>"$tmp/mm.err" || { cat "$tmp/mm.err"; exit 1; }
 
 # Free TCP ports, all distinct (the kernel hands out unused ones).
-ports=($(python3 -c '
-import socket
-ss=[socket.socket() for _ in range(24)]
-for s in ss: s.bind(("127.0.0.1",0))
-print(" ".join(str(s.getsockname()[1]) for s in ss))'))
+ports=($(free_ports 24))
 next_port=0
 port() { echo "${ports[$next_port]}"; }
 

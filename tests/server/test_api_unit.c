@@ -36,13 +36,13 @@ static void test_json_strings(void) {
     memcpy(text + k, u, strlen(u));
     k += (int)strlen(u);
     text[k] = 0;
-    jbuf b;
-    jb_init(&b);
+    pd_buf b;
+    pd_buf_init(&b);
     jb_str(&b, text, (size_t)k);
     cJSON *j = cJSON_Parse(b.data);
     CHECKF(cJSON_IsString(j) && !strcmp(j->valuestring, text), "round trip of %s", b.data);
     cJSON_Delete(j);
-    jb_free(&b);
+    pd_buf_free(&b);
     /* NUL is escaped, and invalid UTF-8 becomes U+FFFD so the output stays valid JSON. */
     jb_str(&b, "a\0b\xff\xc3", 5);
     CHECKF(b.data && strstr(b.data, "\\u0000"), "NUL escaped: %s", b.data);
@@ -50,20 +50,20 @@ static void test_json_strings(void) {
     CHECK(j && cJSON_IsString(j));
     if (j) CHECKF(!strcmp(j->valuestring, "a"), "cJSON stops at the NUL"); /* its limit, not ours */
     cJSON_Delete(j);
-    jb_free(&b);
+    pd_buf_free(&b);
     jb_str(&b, "x\xffy\xe6\x97", 5);
     CHECKF(!strcmp(b.data, "\"x\xef\xbf\xbdy\xef\xbf\xbd\xef\xbf\xbd\""), "replacement: %s",
            b.data);
-    jb_free(&b);
+    pd_buf_free(&b);
     /* Numbers: integral floats keep a decimal point; non-finite ones become null. */
     jb_num(&b, -2.0);
-    jb_puts(&b, " ");
+    pd_buf_puts(&b, " ");
     jb_num(&b, INFINITY);
-    jb_puts(&b, " ");
+    pd_buf_puts(&b, " ");
     jb_num(&b, 0.1);
     CHECKF(!strncmp(b.data, "-2.0 null ", 10) && strtod(b.data + 10, NULL) == 0.1, "numbers: %s",
            b.data);
-    jb_free(&b);
+    pd_buf_free(&b);
 }
 
 static void test_parse_forms(void) {
@@ -457,12 +457,12 @@ static void test_metrics(void) {
         for (int i = 0; i < 6; i++)
             want += values[i] <= ttft_buckets[b];
         char le[300];
-        jbuf x;
-        jb_init(&x);
+        pd_buf x;
+        pd_buf_init(&x);
         prom_num(&x, ttft_buckets[b]);
         snprintf(le, sizeof le, "vllm:time_to_first_token_seconds_bucket%s,le=\"%s\"}", lab,
                  x.data);
-        jb_free(&x);
+        pd_buf_free(&x);
         const char *p = strstr(text, le);
         CHECKF(p && strtod(p + strlen(le) + 1, NULL) == want, "bucket %s want %d", le, want);
     }

@@ -9,38 +9,16 @@ set -u
 bin=${PDSERVE_BIN:?}
 src=${PDSERVE_SRC:-$(cd "$(dirname "$0")/../.." && pwd)}
 dir="$src/tests/server"
-if ! command -v node >/dev/null; then
-  echo "FAIL: node not installed (scripts/setup-deps.sh installs it)"; exit 1
-fi
-if [ ! -d "$dir/node_modules/openai" ]; then
-  (cd "$dir" && npm install --no-audit --no-fund --no-package-lock --silent) || { echo "FAIL: npm install"; exit 1; }
-fi
-tmp=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null; done
-  wait 2>/dev/null
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
+. "$src/tests/common/servers.sh"
+servers_need_node
+servers_init
 
 "$bin" make-model "$tmp/model" --preset tiny --seed 1 >/dev/null 2>"$tmp/mm.err" || { cat "$tmp/mm.err"; exit 1; }
 
 # start NAME ARGS...: a server on a free port; sets URL_NAME from its log line.
 start() {
   local name=$1; shift
-  # PDSERVE_SERVE_ARGS: extra flags for every server (e.g. "--device cuda" on the GPU machine).
-  "$bin" serve "$tmp/model" --host 127.0.0.1 --port 0 --log-level info "$@" ${PDSERVE_SERVE_ARGS:-} >"$tmp/$name.log" 2>&1 &
-  pids+=($!)
-  local port=""
-  for _ in $(seq 1 300); do
-    port=$(sed -n 's/.* on http:\/\/[^:]*:\([0-9]*\) .*/\1/p' "$tmp/$name.log" | head -1)
-    [ -n "$port" ] && break
-    kill -0 "${pids[-1]}" 2>/dev/null || break
-    sleep 0.1
-  done
-  if [ -z "$port" ]; then echo "FAIL: server $name did not start:"; cat "$tmp/$name.log"; exit 1; fi
-  printf -v "URL_$name" 'http://127.0.0.1:%s' "$port"
+  serve_start "$name" --log-level info "$@"
 }
 
 start main --served-model-name tiny tiny-alias
