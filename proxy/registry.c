@@ -223,6 +223,14 @@ void registry_unpick(registry *r, int id) {
     pthread_mutex_unlock(&r->mu);
 }
 
+int registry_size(registry *r) {
+    pthread_mutex_lock(&r->mu);
+    int n = 0;
+    for (int i = 0; i < r->n; i++) n += r->slots[i].live;
+    pthread_mutex_unlock(&r->mu);
+    return n;
+}
+
 int registry_live(registry *r, px_role role, double now) {
     int n = 0;
     pthread_mutex_lock(&r->mu);

@@ -61,6 +61,8 @@ void registry_release(registry *r, int id, double seconds, bool failed, double n
 void registry_unpick(registry *r, int id);
 
 int registry_live(registry *r, px_role role, double now);
+/* Entries not yet removed by a sweep (an expired entry counts until registry_expire drops it). */
+int registry_size(registry *r);
 /* {"prefill":[{"http_address":..,"zmq_address":..,"static":..,"in_flight":..}],"decode":[..]} */
 void registry_json(registry *r, double now, pd_buf *b);
 /* Per-instance Prometheus series. */
