@@ -1,6 +1,7 @@
 /* cmd_model: the model-file subcommands (make-model, tokenize, detokenize)
  * and resolution of the MODEL argument, including the built-in default model. */
 #include <cjson/cJSON.h>
+#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +15,12 @@
 
 #define DEFAULT_PRESET "tiny"
 #define DEFAULT_SEED 0
+
+/* nftw callback: remove one file or (emptied) directory. */
+static int remove_entry(const char *path, const struct stat *st, int type, struct FTW *ftw) {
+    (void)st, (void)type, (void)ftw;
+    return remove(path);
+}
 
 int resolve_model_arg(const char *model, char **dir_out, pd_err *err) {
     if (model) return model_path_resolve(model, dir_out, err);
@@ -33,12 +40,8 @@ int resolve_model_arg(const char *model, char **dir_out, pd_err *err) {
             return pd_wrap(err, "cannot create the default model");
         if (rename(tmp, dir) != 0 && !pd_file_exists(cfg))
             return pd_fail(err, "cannot move the default model into %s", dir);
-        if (pd_dir_exists(tmp)) {
-            /* Someone else won the race; drop our copy. */
-            char cmd[1300];
-            snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
-            if (system(cmd) != 0) pd_log(PD_LOG_WARN, "could not remove %s", tmp);
-        }
+        if (pd_dir_exists(tmp) && nftw(tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
+            pd_log(PD_LOG_WARN, "could not remove %s", tmp); /* someone else won the race */
     }
     *dir_out = strdup(dir);
     return *dir_out ? 0 : pd_fail(err, "out of memory");
