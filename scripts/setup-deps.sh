@@ -13,6 +13,9 @@ done
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
   missing+=(nodejs npm)
 fi
+# python3 (free ports and JSON in the demo and test scripts) and curl: Debian's when absent.
+command -v python3 >/dev/null || missing+=(python3)
+command -v curl >/dev/null || missing+=(curl)
 if [ ${#missing[@]} -eq 0 ]; then
   echo "setup-deps: all packages present"
   exit 0
