@@ -113,3 +113,14 @@ void pd_httpd_body_free(void **con_cls) {
     }
     *con_cls = NULL;
 }
+
+enum MHD_Result pd_httpd_send(struct MHD_Connection *conn, unsigned status, struct MHD_Response *resp,
+                              bool close) {
+    if (close || !resp) {
+        if (resp) MHD_destroy_response(resp);
+        return MHD_NO;
+    }
+    enum MHD_Result rc = MHD_queue_response(conn, status, resp);
+    MHD_destroy_response(resp);
+    return rc;
+}

@@ -55,4 +55,9 @@ int pd_httpd_body_read(void **con_cls, const char *upload_data, size_t *upload_s
 /* Free the body kept in *con_cls (from the request-completed callback). */
 void pd_httpd_body_free(void **con_cls);
 
+/* The last step of an access handler: queue resp with status and release our
+ * reference to it, or (close, or no response) drop the connection. */
+enum MHD_Result pd_httpd_send(struct MHD_Connection *conn, unsigned status, struct MHD_Response *resp,
+                              bool close);
+
 #endif

@@ -160,13 +160,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     front_reply out = {0};
     dispatch(f, conn, url, method, bs, &out);
     atomic_fetch_sub(&f->ctx.active, 1);
-    if (out.close || !out.resp) {
-        if (out.resp) MHD_destroy_response(out.resp);
-        return MHD_NO;
-    }
-    enum MHD_Result rc = MHD_queue_response(conn, out.status, out.resp);
-    MHD_destroy_response(out.resp);
-    return rc;
+    return pd_httpd_send(conn, out.status, out.resp, out.close);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,

@@ -170,13 +170,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if (got <= 0) return got == 0 ? MHD_YES : MHD_NO;
     http_reply out = {0};
     dispatch(s, conn, url, method, bs, &out);
-    if (out.close || !out.resp) {
-        if (out.resp) MHD_destroy_response(out.resp);
-        return MHD_NO;
-    }
-    enum MHD_Result rc = MHD_queue_response(conn, out.status, out.resp);
-    MHD_destroy_response(out.resp);
-    return rc;
+    return pd_httpd_send(conn, out.status, out.resp, out.close);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
