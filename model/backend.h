@@ -36,6 +36,8 @@ typedef struct pd_step_meta {
     const int32_t *slot_mapping; /* [T] block_table[pos / bs] * bs + pos % bs */
     const int32_t *block_tables; /* [n_seqs, max_blocks] physical block ids (-1 padded) */
     const int32_t *seq_lens;     /* [n_seqs] tokens in the cache after this step */
+    const int32_t *seq_q_start;  /* [n_seqs + 1] index of each sequence's first new token; last = T */
+    int max_q_len;               /* most new tokens of one sequence in this step */
 } pd_step_meta;
 
 typedef struct pd_backend pd_backend;

@@ -446,18 +446,21 @@ static int validate_step(const opt_model *m, const opt_kv_storage *kv, const opt
 
 /* Fill the host metadata, upload it in one copy and point meta into it.
  * Layout: token_ids, positions, token_seq, slot_mapping [T each],
- * block_tables [n_seqs * max_blocks], seq_lens [n_seqs], logit_rows [n_logits]. */
+ * block_tables [n_seqs * max_blocks], seq_lens [n_seqs], seq_q_start [n_seqs + 1],
+ * logit_rows [n_logits]. */
 static int upload_meta(opt_model *m, const opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
                        int T, int n_logits, int max_blocks, pd_step_meta *meta,
                        const int32_t **logit_rows, pd_err *err) {
     int32_t *h = m->s.meta_host;
     int32_t *ids = h, *pos = h + T, *seq = h + 2 * T, *slot = h + 3 * T;
     int32_t *tables = h + 4 * T, *lens = tables + (size_t)n_seqs * max_blocks;
-    int32_t *rows = lens + n_seqs;
+    int32_t *q_start = lens + n_seqs, *rows = q_start + n_seqs + 1;
     const int bs = kv->block_size;
-    int t = 0, r = 0;
+    int t = 0, r = 0, max_q = 0;
     for (int i = 0; i < n_seqs; i++) {
         const opt_seq_step *s = &seqs[i];
+        q_start[i] = t;
+        if (s->n_tokens > max_q) max_q = s->n_tokens;
         for (int j = 0; j < s->n_tokens; j++, t++) {
             const int p = s->start_pos + j;
             ids[t] = s->tokens[j];
@@ -471,7 +474,8 @@ static int upload_meta(opt_model *m, const opt_kv_storage *kv, const opt_seq_ste
         lens[i] = s->start_pos + s->n_tokens;
         if (s->want_logits) rows[r++] = t - 1;
     }
-    const size_t n = (size_t)(4 * T) + (size_t)n_seqs * max_blocks + n_seqs + n_logits;
+    q_start[n_seqs] = t;
+    const size_t n = (size_t)(4 * T) + (size_t)n_seqs * max_blocks + 2 * n_seqs + 1 + n_logits;
     if (m->be->copy_h2d(m->be, m->s.meta_dev, h, n * sizeof(int32_t), err) != 0)
         return pd_wrap(err, "opt forward: step metadata");
     const int32_t *d = m->s.meta_dev;
@@ -484,7 +488,9 @@ static int upload_meta(opt_model *m, const opt_kv_storage *kv, const opt_seq_ste
     meta->slot_mapping = d + 3 * T;
     meta->block_tables = d + 4 * T;
     meta->seq_lens = meta->block_tables + (size_t)n_seqs * max_blocks;
-    *logit_rows = meta->seq_lens + n_seqs;
+    meta->seq_q_start = meta->seq_lens + n_seqs;
+    meta->max_q_len = max_q;
+    *logit_rows = meta->seq_q_start + n_seqs + 1;
     return 0;
 }
 
@@ -520,7 +526,7 @@ int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int 
     int T = 0, n_logits = 0, max_blocks = 0;
     if (validate_step(m, kv, seqs, n_seqs, logits, &T, &n_logits, &max_blocks, err) != 0) return -1;
     if (T == 0) return 0;
-    const int n_meta = 4 * T + n_seqs * max_blocks + n_seqs + n_logits;
+    const int n_meta = 4 * T + n_seqs * max_blocks + 2 * n_seqs + 1 + n_logits;
     if (scratch_reserve(m, T, n_logits, n_meta, err) != 0) return -1;
     pd_step_meta meta;
     const int32_t *logit_rows = NULL;
