@@ -95,6 +95,21 @@ struct pd_backend {
                             const void *k_cache, const void *v_cache, const pd_step_meta *meta,
                             int heads, int head_dim, int block_size, float scale);
 
+    /* --- optional (NULL where a backend has no use for them) --- */
+    /* ids[r] = the index of the largest of x[r, 0..n) (the lowest such index
+     * on ties, like the host sampler's greedy pick); ids: device int32. */
+    void (*argmax)(pd_backend *be, int32_t *ids, const void *x, int rows, int n);
+    /* Queue a host-to-device copy without waiting. src must stay unchanged
+     * until the next sync or download (the copy is ordered before later ops). */
+    int (*copy_h2d_async)(pd_backend *be, void *dst, const void *src, size_t bytes, pd_err *err);
+    /* Graph capture: between graph_begin and graph_end every compute op is
+     * recorded instead of run (copies and syncs are not allowed there);
+     * graph_launch replays the recording with the same pointers and sizes. */
+    int (*graph_begin)(pd_backend *be, pd_err *err);
+    int (*graph_end)(pd_backend *be, void **graph, pd_err *err);
+    int (*graph_launch)(pd_backend *be, void *graph, pd_err *err);
+    void (*graph_free)(pd_backend *be, void *graph);
+
     void (*destroy)(pd_backend *be);
 };
 

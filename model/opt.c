@@ -31,9 +31,26 @@ typedef struct opt_scratch {
     void *last;         /* [n_logits, max(h, w)] rows that want logits */
     void *last_w;       /* [n_logits, w] after project_out */
     void *logits;       /* [n_logits, V] */
+    int32_t *ids;       /* [n_logits] greedy picks (device) */
     void *meta_dev;     /* int32 [cap_meta] */
     int32_t *meta_host; /* host staging for the same */
 } opt_scratch;
+
+/* Decode steps as CUDA graphs: one recording per padded batch size. A
+ * recording holds raw pointers (scratch, KV arrays, the metadata buffer), so
+ * every graph is dropped when any of them moves. */
+#define OPT_GRAPH_SIZES 67 /* 1, 2, 4, then every multiple of 8 up to 512 */
+typedef struct opt_graphs {
+    bool enabled;
+    int max_batch;                    /* largest batch replayed (<= 512) */
+    const opt_kv_storage *kv;         /* the storage the recordings write into */
+    int max_blocks;                   /* block-table row length in the recordings */
+    void *meta_dev;                   /* fixed metadata buffer the recordings read */
+    int32_t *meta_host;               /* its host staging */
+    size_t meta_cap;                  /* int32 entries of both */
+    void *exec[OPT_GRAPH_SIZES];      /* recordings by size index (NULL: not yet) */
+    int replays, captures;            /* for logs and tests */
+} opt_graphs;
 
 struct opt_model {
     opt_config cfg;
@@ -45,7 +62,11 @@ struct opt_model {
     void *final_ln_w, *final_ln_b, *lm_head;
     opt_layer_dev *layers;
     opt_scratch s;
+    opt_graphs g;
 };
+
+static void graphs_drop(opt_model *m);
+static void graphs_free(opt_model *m);
 
 struct opt_kv_storage {
     opt_model *m;
@@ -262,8 +283,8 @@ int opt_model_create(const opt_config *cfg, const opt_weights *w, pd_backend *be
 }
 
 static void scratch_free(pd_backend *be, opt_scratch *s) {
-    void **dev[] = {&s->x,   &s->a,    &s->qkv,    &s->attn,   &s->ffn,
-                    &s->emb, &s->last, &s->last_w, &s->logits, &s->meta_dev};
+    void **dev[] = {&s->x,      &s->a,      &s->qkv,    &s->attn,        &s->ffn,   &s->emb,
+                    &s->last,   &s->last_w, &s->logits, (void **)&s->ids, &s->meta_dev};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) {
         be->free(be, *dev[i]);
         *dev[i] = NULL;
@@ -275,6 +296,7 @@ static void scratch_free(pd_backend *be, opt_scratch *s) {
 
 void opt_model_free(opt_model *m) {
     if (!m) return;
+    graphs_free(m);
     scratch_free(m->be, &m->s);
     if (m->weights) m->be->free(m->be, m->weights);
     free(m->layers);
@@ -350,6 +372,7 @@ void opt_kv_layer(const opt_kv_storage *kv, int layer, void **k, void **v) {
  * int32 metadata entries. */
 static int scratch_reserve(opt_model *m, int T, int n_logits, int n_meta, pd_err *err) {
     opt_scratch *s = &m->s;
+    if (T > s->cap_tokens || n_logits > s->cap_logits) graphs_drop(m); /* buffers move */
     pd_backend *be = m->be;
     const opt_config *c = &m->cfg;
     const size_t es = be->elem_size, h = (size_t)c->hidden_size;
@@ -370,11 +393,12 @@ static int scratch_reserve(opt_model *m, int T, int n_logits, int n_meta, pd_err
     }
     if (n_logits > s->cap_logits) {
         int cap = n_logits > 2 * s->cap_logits ? n_logits : 2 * s->cap_logits;
-        void **dev[] = {&s->last, &s->last_w, &s->logits};
-        size_t width[] = {h > wd ? h : wd, wd, (size_t)c->vocab_size};
-        for (int i = 0; i < 3; i++) {
+        void **dev[] = {&s->last, &s->last_w, &s->logits, (void **)&s->ids};
+        size_t bytes[] = {(h > wd ? h : wd) * es, wd * es, (size_t)c->vocab_size * es,
+                          sizeof(int32_t)};
+        for (int i = 0; i < 4; i++) {
             be->free(be, *dev[i]);
-            *dev[i] = be->alloc(be, (size_t)cap * width[i] * es, err);
+            *dev[i] = be->alloc(be, (size_t)cap * bytes[i], err);
             if (!*dev[i]) {
                 scratch_free(be, s);
                 return pd_wrap(err, "opt forward: logits for %d rows", cap);
@@ -398,7 +422,7 @@ static int scratch_reserve(opt_model *m, int T, int n_logits, int n_meta, pd_err
 }
 
 static int validate_step(const opt_model *m, const opt_kv_storage *kv, const opt_seq_step *seqs,
-                         int n_seqs, const float *logits, int *T_out, int *n_logits_out,
+                         int n_seqs, bool has_output, int *T_out, int *n_logits_out,
                          int *max_blocks_out, pd_err *err) {
     const opt_config *c = &m->cfg;
     const int bs = kv->block_size;
@@ -437,11 +461,20 @@ static int validate_step(const opt_model *m, const opt_kv_storage *kv, const opt
         n_logits += s->want_logits ? 1 : 0;
     }
     if (T > (1L << 24)) return pd_fail(err, "opt forward: %ld tokens in one step is too many", T);
-    if (n_logits > 0 && !logits) return pd_fail(err, "opt forward: logits wanted but no buffer");
+    if (n_logits > 0 && !has_output)
+        return pd_fail(err, "opt forward: logits wanted but no buffer");
     *T_out = (int)T;
     *n_logits_out = n_logits;
     *max_blocks_out = max_blocks;
     return 0;
+}
+
+/* Upload step metadata without waiting where the backend can: the host
+ * buffer is rewritten only by the next step, after this one's results were
+ * read (which waits for everything queued, the copy included). */
+static int copy_meta(pd_backend *be, void *dst, const void *src, size_t bytes, pd_err *err) {
+    return be->copy_h2d_async ? be->copy_h2d_async(be, dst, src, bytes, err)
+                              : be->copy_h2d(be, dst, src, bytes, err);
 }
 
 /* Fill the host metadata, upload it in one copy and point meta into it.
@@ -476,7 +509,7 @@ static int upload_meta(opt_model *m, const opt_kv_storage *kv, const opt_seq_ste
     }
     q_start[n_seqs] = t;
     const size_t n = (size_t)(4 * T) + (size_t)n_seqs * max_blocks + 2 * n_seqs + 1 + n_logits;
-    if (m->be->copy_h2d(m->be, m->s.meta_dev, h, n * sizeof(int32_t), err) != 0)
+    if (copy_meta(m->be, m->s.meta_dev, h, n * sizeof(int32_t), err) != 0)
         return pd_wrap(err, "opt forward: step metadata");
     const int32_t *d = m->s.meta_dev;
     meta->n_tokens = T;
@@ -521,45 +554,39 @@ static void ffn_block(opt_model *m, const opt_layer_dev *L, int T, const void *i
 
 #define OPT_LN_EPS 1e-5f
 
-int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
-                float *logits, pd_err *err) {
-    int T = 0, n_logits = 0, max_blocks = 0;
-    if (validate_step(m, kv, seqs, n_seqs, logits, &T, &n_logits, &max_blocks, err) != 0) return -1;
-    if (T == 0) return 0;
-    const int n_meta = 4 * T + n_seqs * max_blocks + 2 * n_seqs + 1 + n_logits;
-    if (scratch_reserve(m, T, n_logits, n_meta, err) != 0) return -1;
-    pd_step_meta meta;
-    const int32_t *logit_rows = NULL;
-    if (upload_meta(m, kv, seqs, n_seqs, T, n_logits, max_blocks, &meta, &logit_rows, err) != 0)
-        return -1;
-
+/* Queue the whole step on the backend (no copies, no syncs: this same code
+ * is what a graph capture records): embeddings, every layer, and for the
+ * rows that want logits the final LN, project_out, lm_head and, where the
+ * backend can, the greedy pick into s->ids. */
+static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *meta, int n_logits,
+                        const int32_t *logit_rows) {
     pd_backend *be = m->be;
     const opt_config *c = &m->cfg;
-    const int h = c->hidden_size, wd = c->word_embed_proj_dim;
+    const int h = c->hidden_size, wd = c->word_embed_proj_dim, T = meta->n_tokens;
     opt_scratch *s = &m->s;
 
     /* Embeddings: project_in applies to the token embedding only, before the
      * learned positions (whose table is offset by 2 rows) are added. */
     if (m->has_proj) {
-        be->embedding(be, s->emb, m->embed_tokens, meta.token_ids, 0, T, wd, 0);
+        be->embedding(be, s->emb, m->embed_tokens, meta->token_ids, 0, T, wd, 0);
         be->gemm(be, s->x, s->emb, wd, m->project_in, NULL, T, wd, h);
     } else {
-        be->embedding(be, s->x, m->embed_tokens, meta.token_ids, 0, T, h, 0);
+        be->embedding(be, s->x, m->embed_tokens, meta->token_ids, 0, T, h, 0);
     }
-    be->embedding(be, s->x, m->embed_positions, meta.positions, 2, T, h, 1);
+    be->embedding(be, s->x, m->embed_positions, meta->positions, 2, T, h, 1);
 
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const opt_layer_dev *L = &m->layers[l];
         void *kc = kv->k[l], *vc = kv->v[l];
         if (c->do_layer_norm_before) { /* pre-LN: x = x + f(LN(x)) */
             be->layer_norm(be, s->a, s->x, L->ln_attn_w, L->ln_attn_b, T, h, OPT_LN_EPS);
-            attention_block(m, L, kc, vc, kv->block_size, &meta, s->a, s->a);
+            attention_block(m, L, kc, vc, kv->block_size, meta, s->a, s->a);
             be->add(be, s->x, s->a, (size_t)T * h);
             be->layer_norm(be, s->a, s->x, L->ln_ffn_w, L->ln_ffn_b, T, h, OPT_LN_EPS);
             ffn_block(m, L, T, s->a, s->a);
             be->add(be, s->x, s->a, (size_t)T * h);
         } else { /* post-LN: x = LN(x + f(x)) */
-            attention_block(m, L, kc, vc, kv->block_size, &meta, s->x, s->a);
+            attention_block(m, L, kc, vc, kv->block_size, meta, s->x, s->a);
             be->add(be, s->x, s->a, (size_t)T * h);
             be->layer_norm(be, s->x, s->x, L->ln_attn_w, L->ln_attn_b, T, h, OPT_LN_EPS);
             ffn_block(m, L, T, s->x, s->a);
@@ -567,7 +594,7 @@ int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int 
             be->layer_norm(be, s->x, s->x, L->ln_ffn_w, L->ln_ffn_b, T, h, OPT_LN_EPS);
         }
     }
-    if (n_logits == 0) return be->sync(be, err);
+    if (n_logits == 0) return;
 
     /* Everything after the last layer is per row, so only the rows that want
      * logits go through the final LN, project_out and lm_head. */
@@ -580,7 +607,238 @@ int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int 
         head_in = s->last_w;
     }
     be->gemm(be, s->logits, head_in, wd, m->lm_head, NULL, n_logits, wd, c->vocab_size);
-    if (be->download_f32(be, logits, s->logits, (size_t)n_logits * c->vocab_size, err) != 0)
+    if (be->argmax) be->argmax(be, s->ids, s->logits, n_logits, c->vocab_size);
+}
+
+/* Copy the step's results out: logits rows and/or greedy picks. */
+static int read_outputs(opt_model *m, int n_logits, float *logits, int32_t *ids, pd_err *err) {
+    pd_backend *be = m->be;
+    const int V = m->cfg.vocab_size;
+    if (n_logits == 0) return be->sync(be, err);
+    if (logits &&
+        be->download_f32(be, logits, m->s.logits, (size_t)n_logits * V, err) != 0)
         return pd_wrap(err, "opt forward: logits");
+    if (!ids) return 0;
+    if (be->argmax) {
+        if (be->copy_d2h(be, ids, m->s.ids, sizeof(int32_t) * (size_t)n_logits, err) != 0)
+            return pd_wrap(err, "opt forward: sampled ids");
+        return 0;
+    }
+    /* No device argmax (the CPU): pick from the logits on the host. */
+    float *row = logits;
+    float *tmp = logits ? NULL : malloc(sizeof(float) * (size_t)V);
+    if (!logits && !tmp) return pd_fail(err, "opt forward: out of memory for a logits row");
+    for (int r = 0; r < n_logits; r++) {
+        if (!logits) {
+            if (be->download_f32(be, tmp, (char *)m->s.logits + (size_t)r * V * be->elem_size,
+                                 (size_t)V, err) != 0) {
+                free(tmp);
+                return pd_wrap(err, "opt forward: logits");
+            }
+            row = tmp;
+        } else {
+            row = logits + (size_t)r * V;
+        }
+        int32_t best = 0;
+        float bv = -INFINITY;
+        bool found = false;
+        for (int i = 0; i < V; i++)
+            if (row[i] > bv || (!found && row[i] == bv)) {
+                bv = row[i];
+                best = i;
+                found = true;
+            }
+        ids[r] = best;
+    }
+    free(tmp);
     return 0;
+}
+
+/* ---- decode steps as graphs ---- */
+
+static int graph_size_at(int idx) {
+    return idx < 3 ? 1 << idx : 8 * (idx - 2);
+}
+/* Index of the smallest recorded size >= n. */
+static int graph_index_for(int n) {
+    if (n <= 4) return n <= 1 ? 0 : n <= 2 ? 1 : 2;
+    return 2 + (n + 7) / 8;
+}
+
+static void graphs_drop(opt_model *m) {
+    opt_graphs *g = &m->g;
+    for (int i = 0; i < OPT_GRAPH_SIZES; i++) {
+        if (g->exec[i]) m->be->graph_free(m->be, g->exec[i]);
+        g->exec[i] = NULL;
+    }
+    g->kv = NULL;
+}
+
+static void graphs_free(opt_model *m) {
+    graphs_drop(m);
+    m->be->free(m->be, m->g.meta_dev);
+    free(m->g.meta_host);
+    m->g.meta_dev = NULL;
+    m->g.meta_host = NULL;
+    m->g.meta_cap = 0;
+}
+
+int opt_model_set_graphs(opt_model *m, bool enable, int max_batch, pd_err *err) {
+    pd_backend *be = m->be;
+    if (enable && !(be->graph_begin && be->graph_end && be->graph_launch && be->graph_free)) {
+        m->g.enabled = false;
+        return 0; /* the backend runs eagerly (the CPU) */
+    }
+    if (!enable) {
+        graphs_free(m);
+        m->g.enabled = false;
+        return 0;
+    }
+    if (max_batch < 1 || max_batch > 512)
+        return pd_fail(err, "opt graphs: max batch %d not in [1, 512]", max_batch);
+    m->g.enabled = true;
+    m->g.max_batch = max_batch;
+    /* Scratch for the largest recording now, so a small first step does not
+     * record pointers that a larger one will move. */
+    return scratch_reserve(m, graph_size_at(graph_index_for(max_batch)),
+                           graph_size_at(graph_index_for(max_batch)), 1, err);
+}
+
+int opt_model_graph_stats(const opt_model *m, int *captures, int *replays) {
+    if (captures) *captures = m->g.captures;
+    if (replays) *replays = m->g.replays;
+    return m->g.enabled;
+}
+
+/* A pure decode step (one new token per sequence, all wanting logits) that
+ * fits a recording. */
+static bool graph_step_fits(const opt_model *m, const opt_seq_step *seqs, int n_seqs) {
+    if (!m->g.enabled || n_seqs < 1 || n_seqs > m->g.max_batch) return false;
+    for (int i = 0; i < n_seqs; i++)
+        if (seqs[i].n_tokens != 1 || !seqs[i].want_logits) return false;
+    return true;
+}
+
+/* Metadata of a padded decode step, in the fixed layout of its recording:
+ * B tokens and sequences, block tables of max_blocks entries. Padding
+ * sequences decode token 0 at position 0 of block 0 (which they only read:
+ * slot -1 keeps kv_write away from it) and their outputs are ignored. */
+static void graph_fill_meta(const opt_model *m, const opt_kv_storage *kv, const opt_seq_step *seqs,
+                            int n_seqs, int B, pd_step_meta *meta, const int32_t **logit_rows) {
+    const int MB = m->g.max_blocks, bs = kv->block_size;
+    int32_t *h = m->g.meta_host;
+    int32_t *ids = h, *pos = h + B, *seq = h + 2 * B, *slot = h + 3 * B;
+    int32_t *tables = h + 4 * B, *lens = tables + (size_t)B * MB, *q_start = lens + B;
+    int32_t *rows = q_start + B + 1;
+    for (int i = 0; i < B; i++) {
+        int32_t *row = tables + (size_t)i * MB;
+        if (i < n_seqs) {
+            const opt_seq_step *s = &seqs[i];
+            const int p = s->start_pos, need = (p + 1 + bs - 1) / bs;
+            ids[i] = s->tokens[0];
+            pos[i] = p;
+            slot[i] = s->block_table[p / bs] * bs + p % bs;
+            for (int b = 0; b < MB; b++) row[b] = b < need ? s->block_table[b] : -1;
+            lens[i] = p + 1;
+        } else {
+            ids[i] = 0;
+            pos[i] = 0;
+            slot[i] = -1;
+            row[0] = 0;
+            for (int b = 1; b < MB; b++) row[b] = -1;
+            lens[i] = 1;
+        }
+        seq[i] = i;
+        q_start[i] = i;
+        rows[i] = i;
+    }
+    q_start[B] = B;
+    const int32_t *d = m->g.meta_dev;
+    meta->n_tokens = B;
+    meta->n_seqs = B;
+    meta->max_blocks = MB;
+    meta->token_ids = d;
+    meta->positions = d + B;
+    meta->token_seq = d + 2 * B;
+    meta->slot_mapping = d + 3 * B;
+    meta->block_tables = d + 4 * B;
+    meta->seq_lens = meta->block_tables + (size_t)B * MB;
+    meta->seq_q_start = meta->seq_lens + B;
+    meta->max_q_len = 1;
+    *logit_rows = meta->seq_q_start + B + 1;
+}
+
+static size_t graph_meta_entries(int B, int MB) {
+    return (size_t)B * (4 + (size_t)MB + 3) + 1;
+}
+
+/* Run a decode step through its recording (recording it first if needed). */
+static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                         float *logits, int32_t *ids, pd_err *err) {
+    pd_backend *be = m->be;
+    opt_graphs *g = &m->g;
+    const int idx = graph_index_for(n_seqs), B = graph_size_at(idx);
+    if (scratch_reserve(m, B, B, 1, err) != 0) return -1;
+    if (g->kv != kv) { /* first use, or another storage: record afresh */
+        graphs_drop(m);
+        const int MB = (m->cfg.max_position_embeddings + kv->block_size - 1) / kv->block_size;
+        const size_t need = graph_meta_entries(graph_size_at(graph_index_for(g->max_batch)), MB);
+        if (need > g->meta_cap) {
+            be->free(be, g->meta_dev);
+            free(g->meta_host);
+            g->meta_dev = be->alloc(be, need * sizeof(int32_t), err);
+            g->meta_host = malloc(need * sizeof(int32_t));
+            g->meta_cap = g->meta_dev && g->meta_host ? need : 0;
+            if (!g->meta_cap) {
+                graphs_free(m);
+                return pd_fail(err, "opt graphs: out of memory for step metadata");
+            }
+        }
+        g->kv = kv;
+        g->max_blocks = MB;
+    }
+    pd_step_meta meta;
+    const int32_t *logit_rows = NULL;
+    graph_fill_meta(m, kv, seqs, n_seqs, B, &meta, &logit_rows);
+    if (copy_meta(be, g->meta_dev, g->meta_host,
+                  graph_meta_entries(B, g->max_blocks) * sizeof(int32_t), err) != 0)
+        return pd_wrap(err, "opt graphs: step metadata");
+    if (!g->exec[idx]) {
+        if (be->graph_begin(be, err) != 0) return -1;
+        forward_ops(m, kv, &meta, B, logit_rows);
+        if (be->graph_end(be, &g->exec[idx], err) != 0) return pd_wrap(err, "opt graphs: batch %d", B);
+        g->captures++;
+        pd_log(PD_LOG_DEBUG, "opt: recorded the decode step of batch %d as a graph", B);
+    }
+    if (be->graph_launch(be, g->exec[idx], err) != 0) return -1;
+    g->replays++;
+    return read_outputs(m, n_seqs, logits, ids, err);
+}
+
+int opt_forward_ex(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                   float *logits, int32_t *ids, pd_err *err) {
+    int T = 0, n_logits = 0, max_blocks = 0;
+    if (validate_step(m, kv, seqs, n_seqs, logits || ids, &T, &n_logits, &max_blocks, err) != 0)
+        return -1;
+    if (T == 0) return 0;
+    if (graph_step_fits(m, seqs, n_seqs)) {
+        if (graph_forward(m, kv, seqs, n_seqs, logits, ids, err) == 0) return 0;
+        /* A backend that cannot record this step still runs it eagerly. */
+        pd_log(PD_LOG_WARN, "opt: decode graphs turned off: %s", err->msg);
+        graphs_free(m);
+        m->g.enabled = false;
+    }
+    const int n_meta = 4 * T + n_seqs * max_blocks + 2 * n_seqs + 1 + n_logits;
+    if (scratch_reserve(m, T, n_logits, n_meta, err) != 0) return -1;
+    pd_step_meta meta;
+    const int32_t *logit_rows = NULL;
+    if (upload_meta(m, kv, seqs, n_seqs, T, n_logits, max_blocks, &meta, &logit_rows, err) != 0)
+        return -1;
+    forward_ops(m, kv, &meta, n_logits, logit_rows);
+    return read_outputs(m, n_logits, logits, ids, err);
+}
+
+int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                float *logits, pd_err *err) {
+    return opt_forward_ex(m, kv, seqs, n_seqs, logits, NULL, err);
 }

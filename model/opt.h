@@ -58,5 +58,18 @@ typedef struct opt_seq_step {
  * with want_logits, in order (host memory, fp32). */
 int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
                 float *logits, pd_err *err);
+/* Like opt_forward; logits may be NULL, and ids (when not NULL) receives the
+ * greedy pick of each logits row (computed on the device where the backend
+ * can, so a greedy step moves only ids to the host). */
+int opt_forward_ex(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                   float *logits, int32_t *ids, pd_err *err);
+
+/* Decode steps (one new token for each of up to max_batch sequences, every
+ * one wanting logits) replayed from graphs recorded per padded batch size
+ * (1, 2, 4, 8, 16, ... 512) on backends that support them; a no-op
+ * elsewhere. Off by default (--enforce-eager keeps it off). */
+int opt_model_set_graphs(opt_model *m, bool enable, int max_batch, pd_err *err);
+/* Graphs recorded and replayed so far; returns whether graphs are on. */
+int opt_model_graph_stats(const opt_model *m, int *captures, int *replays);
 
 #endif

@@ -557,6 +557,15 @@ static int32_t sample_token(sampler *s, float *logits) {
     return tok;
 }
 
+bool sampler_is_plain_greedy(const sampler *s) {
+    return is_greedy(s) && s->p.repetition_penalty == 1.0f && s->p.presence_penalty == 0.0f &&
+           s->p.frequency_penalty == 0.0f;
+}
+
+void sampler_record(sampler *s, int32_t id) {
+    history_add_output(s, id);
+}
+
 int32_t sampler_sample(sampler *s, float *logits) {
     /* Out of memory for the candidates: the logits are penalised (and maybe
      * scaled by temperature, which keeps the argmax), so greedy is still a

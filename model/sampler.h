@@ -52,6 +52,12 @@ int32_t sampler_sample_logprobs(sampler *s, float *logits, int n_top, float *tok
  * but draws nothing and records nothing. Returns 0, or -1 when out of memory. */
 int sampler_probs(sampler *s, float *logits, float *probs);
 
+/* Greedy with no penalty: the pick is the logits' argmax, which a GPU can
+ * make itself (the caller then reports it with sampler_record). */
+bool sampler_is_plain_greedy(const sampler *s);
+/* Record a token chosen outside the sampler as output history. */
+void sampler_record(sampler *s, int32_t id);
+
 /* Raw log-softmax helpers (they read logits only). */
 double sampler_logsumexp(const float *logits, int n);
 /* The min(k, n) largest log-probabilities, most likely first, ties by lower id.

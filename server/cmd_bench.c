@@ -14,13 +14,15 @@
 #include "server/commands.h"
 
 typedef struct bench_opts {
-    int prompt_len, decode_tokens, threads, help;
+    int prompt_len, decode_tokens, threads, repeat, enforce_eager, help;
     const char *backend;
 } bench_opts;
 
 static const cli_option bench_table[] = {
     {"prompt-len", CLI_INT, offsetof(bench_opts, prompt_len), "512", 1, 1 << 20, "prefill length (tokens)"},
-    {"decode-tokens", CLI_INT, offsetof(bench_opts, decode_tokens), "64", 1, 1 << 20, "batch-1 decode steps"},
+    {"decode-tokens", CLI_INT, offsetof(bench_opts, decode_tokens), "64", 0, 1 << 20, "batch-1 decode steps"},
+    {"repeat", CLI_INT, offsetof(bench_opts, repeat), "5", 1, 1000, "timed prefills on a GPU (the best and median are shown)"},
+    {"enforce-eager", CLI_BOOL, offsetof(bench_opts, enforce_eager), "false", 1, 0, "GPU: decode without CUDA graphs"},
     {"threads", CLI_INT, offsetof(bench_opts, threads), "0", 0, 1024, "CPU threads (0: one per core)"},
     {"backend", CLI_STR, offsetof(bench_opts, backend), "cpu", 1, 0, "cpu, cuda, cuda-fp16 or cuda-bf16 (cuda...:N picks device N)"},
     {"help", CLI_BOOL, offsetof(bench_opts, help), "false", 1, 0, "show this help"},
@@ -132,6 +134,118 @@ static double measure_flops(int n_threads, const char **isa) {
     return (double)n_threads * (double)iters * 8 * 8 * 2 / best;
 }
 
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Device memory bandwidth through the backend's own add kernel (reads two
+ * arrays, writes one): the "copy bandwidth" the decode limit is set against. */
+static double device_bandwidth(pd_backend *be, pd_err *err) {
+    const size_t n = (size_t)256 << 20; /* elements: 0.5-1 GiB per array */
+    void *x = be->alloc(be, n * be->elem_size, err), *y = x ? be->alloc(be, n * be->elem_size, err) : NULL;
+    double best = 1e30;
+    if (y) {
+        be->add(be, y, x, n);
+        if (be->sync(be, err) == 0)
+            for (int rep = 0; rep < 5; rep++) {
+                double t0 = pd_now();
+                be->add(be, y, x, n);
+                if (be->sync(be, err) != 0) break;
+                double t = pd_now() - t0;
+                if (t < best) best = t;
+            }
+    }
+    be->free(be, y);
+    be->free(be, x);
+    return best < 1e30 ? 3.0 * (double)n * be->elem_size / best : 0;
+}
+
+/* The GPU figures: prefill TTFT (best and median of --repeat runs) and
+ * batch-1 greedy decode the way the server runs it (graphs unless
+ * --enforce-eager, only the picked id copied back), against the limit of
+ * reading every weight once per token at the measured bandwidth. */
+static int bench_device(const bench_opts *o, const char *model_arg) {
+    pd_err err = {{0}};
+    char *dir = NULL;
+    pd_backend *be = NULL;
+    opt_model *m = NULL;
+    opt_kv_storage *kv = NULL;
+    int rc = 1;
+    const int total = o->prompt_len + o->decode_tokens, bs = 16, n_blocks = (total + bs - 1) / bs + 1;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)total), *table = malloc(sizeof(int32_t) * (size_t)n_blocks);
+    double *runs = calloc((size_t)o->repeat, sizeof(double));
+    if (!ids || !table || !runs) {
+        pd_fail(&err, "out of memory");
+        goto fail;
+    }
+    if (resolve_model_arg(model_arg, &dir, &err) != 0) goto fail;
+    if (pd_backend_create(o->backend, 1, &be, &err) != 0) goto fail;
+    if (opt_model_load(dir, be, &m, &err) != 0) goto fail;
+    const opt_config *c = opt_model_config(m);
+    if (total > c->max_position_embeddings) {
+        pd_fail(&err, "--prompt-len + --decode-tokens (%d) exceeds the model's %d positions", total,
+                c->max_position_embeddings);
+        goto fail;
+    }
+    if (opt_kv_storage_create(m, n_blocks, bs, &kv, &err) != 0) goto fail;
+    if (opt_model_set_graphs(m, !o->enforce_eager, 1, &err) != 0) goto fail;
+    for (int i = 0; i < total; i++) ids[i] = (int32_t)((i * 7919u + 13u) % (unsigned)c->vocab_size);
+    for (int i = 0; i < n_blocks; i++) table[i] = i;
+    const double bw = device_bandwidth(be, &err);
+    const double wbytes = (double)opt_model_weight_bytes(m);
+    const double positions = (double)(c->max_position_embeddings + 2) * c->hidden_size * be->elem_size;
+    const double decode_bytes = wbytes - positions; /* decode reads all but the position table */
+    int32_t pick = 0;
+    /* Warm-up: library handles, kernel loading, the decode graph's recording. */
+    opt_seq_step warm = {ids, o->prompt_len < 16 ? o->prompt_len : 16, 0, table, n_blocks, true};
+    if (opt_forward_ex(m, kv, &warm, 1, NULL, &pick, &err) != 0) goto fail;
+    opt_seq_step wd = {ids + warm.n_tokens, 1, warm.n_tokens, table, n_blocks, true};
+    if (opt_forward_ex(m, kv, &wd, 1, NULL, &pick, &err) != 0) goto fail;
+    for (int r = 0; r < o->repeat; r++) {
+        double t0 = pd_now();
+        opt_seq_step st = {ids, o->prompt_len, 0, table, n_blocks, true};
+        if (opt_forward_ex(m, kv, &st, 1, NULL, &pick, &err) != 0) goto fail;
+        runs[r] = pd_now() - t0;
+    }
+    qsort(runs, (size_t)o->repeat, sizeof *runs, cmp_double);
+    double t_decode = 0;
+    if (o->decode_tokens > 0) {
+        double t0 = pd_now();
+        for (int s = 0; s < o->decode_tokens; s++) {
+            opt_seq_step d = {ids + o->prompt_len + s, 1, o->prompt_len + s, table, n_blocks, true};
+            if (opt_forward_ex(m, kv, &d, 1, NULL, &pick, &err) != 0) goto fail;
+        }
+        t_decode = (pd_now() - t0) / o->decode_tokens;
+    }
+    int captures = 0, replays = 0;
+    const int graphs = opt_model_graph_stats(m, &captures, &replays);
+    printf("model: %s (%d layers, hidden %d), %.1f MB of %s weights on %s\n", dir, c->num_hidden_layers,
+           c->hidden_size, wbytes / 1e6, pd_dtype_name(be->dtype), be->name);
+    printf("device bandwidth (add kernel, 2 reads + 1 write): %.0f GB/s\n", bw / 1e9);
+    printf("prefill: %d tokens, TTFT best %.3f ms, median %.3f ms of %d (%.0f tok/s)\n", o->prompt_len,
+           runs[0] * 1e3, runs[o->repeat / 2] * 1e3, o->repeat, o->prompt_len / runs[0]);
+    if (o->decode_tokens > 0)
+        printf("decode (batch 1, greedy, %s): %.4f ms/token = %.0f tok/s at context %d..%d; limit %.4f ms/token "
+               "(%.1f MB at %.0f GB/s) = %.0f%% of the limit\n",
+               graphs ? "CUDA graphs" : "eager", t_decode * 1e3, 1 / t_decode, o->prompt_len, total - 1,
+               decode_bytes / bw * 1e3, decode_bytes / 1e6, bw / 1e9, 100 * (decode_bytes / bw) / t_decode);
+    printf("graphs: %s, %d recorded, %d replays\n", graphs ? "on" : "off", captures, replays);
+    rc = 0;
+    goto out;
+fail:
+    fprintf(stderr, "pdserve bench-cpu: %s\n", err.msg);
+out:
+    free(runs);
+    free(ids);
+    free(table);
+    opt_kv_storage_free(kv);
+    opt_model_free(m);
+    pd_backend_destroy(be);
+    free(dir);
+    return rc;
+}
+
 int cmd_bench_cpu(int argc, char **argv) {
     bench_opts o;
     char *pos[1];
@@ -145,6 +259,11 @@ int cmd_bench_cpu(int argc, char **argv) {
     if (o.help) {
         cli_print_help("pdserve bench-cpu [MODEL] [options]", bench_table, n_table);
         return 0;
+    }
+    if (strncmp(o.backend, "cpu", 3) != 0) return bench_device(&o, n_pos ? pos[0] : NULL);
+    if (o.decode_tokens < 1) {
+        fprintf(stderr, "pdserve bench-cpu: --decode-tokens must be at least 1 on the CPU\n");
+        return 2;
     }
     int n_threads = o.threads > 0 ? o.threads : pd_num_cpus();
     if (n_threads > 256) n_threads = 256;
@@ -204,13 +323,6 @@ int cmd_bench_cpu(int argc, char **argv) {
     double prefill_flops = (o.prompt_len * (2 * layer_params + attn_flops) + 2 * embed) / t_prefill;
     printf("model: %s (%d layers, hidden %d), %.1f MB of %s weights on %s\n", dir, c->num_hidden_layers,
            c->hidden_size, wbytes / 1e6, pd_dtype_name(be->dtype), be->name);
-    if (strncmp(o.backend, "cpu", 3) != 0) {
-        /* The machine figures above are the host's; a GPU is measured elsewhere. */
-        printf("prefill: %d tokens in %.4f s = %.1f tok/s\ndecode (batch 1): %.3f ms/token = %.1f tok/s\n",
-               o.prompt_len, t_prefill, prefill_tps, t_decode * 1e3, 1 / t_decode);
-        rc = 0;
-        goto out;
-    }
     printf("prefill: %d tokens in %.3f s = %.1f tok/s, %.1f GFLOP/s = %.0f%% of the measured FLOP rate\n",
            o.prompt_len, t_prefill, prefill_tps, prefill_flops / 1e9, 100 * prefill_flops / peak);
     printf("decode (batch 1): %.2f ms/token = %.1f tok/s, weights read at %.2f GB/s = %.0f%% of the measured "

@@ -68,6 +68,7 @@ struct engine {
 
     /* Step buffers, owned by the engine thread. */
     float *logits;
+    int32_t *ids; /* greedy picks made on the device, one per logits row */
     int logits_rows;
 };
 
@@ -311,8 +312,23 @@ static bool is_stop_id(const engine_seq *s, int32_t id) {
     return false;
 }
 
-/* Sample the next token of a sequence from its logits row and decide whether
- * it finished. Returns the finish reason (FINISH_NONE to continue). */
+/* Append a chosen token and decide whether the sequence finished. Returns
+ * the finish reason (FINISH_NONE to continue). */
+static finish_reason engine_accept(engine *e, engine_seq *s, int32_t id, float lp, const int32_t *top_ids,
+                                   const float *top_lps) {
+    const engine_request_params *p = &s->params;
+    s->tokens[s->n_tokens++] = id;
+    const int n_out = s->n_tokens - s->n_prompt;
+    seq_publish(s, id, lp, top_ids, top_lps);
+    if (n_out >= p->min_tokens) {
+        if (!p->ignore_eos && id == e->eos_id) return FINISH_STOP;
+        if (is_stop_id(s, id)) return FINISH_STOP;
+    }
+    if (n_out >= p->max_tokens || s->n_tokens >= e->max_model_len) return FINISH_LENGTH;
+    return FINISH_NONE;
+}
+
+/* Sample the next token of a sequence from its logits row. */
 static finish_reason engine_sample(engine *e, engine_seq *s, float *row) {
     const engine_request_params *p = &s->params;
     int n_out = s->n_tokens - s->n_prompt;
@@ -328,15 +344,17 @@ static finish_reason engine_sample(engine *e, engine_seq *s, float *row) {
     int32_t id = p->logprobs >= 0 ? sampler_sample_logprobs(s->smp, row, p->logprobs, &lp, top_ids, top_lps)
                                   : sampler_sample(s->smp, row);
     if (id < 0) return FINISH_ERROR;
-    s->tokens[s->n_tokens++] = id;
-    n_out++;
-    seq_publish(s, id, lp, top_ids, top_lps);
-    if (n_out >= p->min_tokens) {
-        if (!p->ignore_eos && id == e->eos_id) return FINISH_STOP;
-        if (is_stop_id(s, id)) return FINISH_STOP;
-    }
-    if (n_out >= p->max_tokens || s->n_tokens >= e->max_model_len) return FINISH_LENGTH;
-    return FINISH_NONE;
+    return engine_accept(e, s, id, lp, top_ids, top_lps);
+}
+
+/* The sequence's next token is the plain argmax of its logits: greedy, no
+ * penalties, no logprobs, and no token masked for min_tokens. Then the
+ * device's pick is the sampler's, and no logits need to leave the device. */
+static bool engine_pick_is_argmax(const engine *e, const engine_seq *s) {
+    const engine_request_params *p = &s->params;
+    if (p->logprobs >= 0 || !sampler_is_plain_greedy(s->smp)) return false;
+    const bool masks = (!p->ignore_eos && e->eos_id >= 0) || p->n_stop_token_ids > 0;
+    return !masks || s->n_tokens - s->n_prompt >= p->min_tokens;
 }
 
 /* Take new requests from the inbox into the scheduler's waiting queue. */
@@ -392,15 +410,22 @@ static void engine_step(engine *e, sched_batch *b) {
     for (int i = 0; i < b->n; i++) rows += b->steps[i].want_logits;
     if (rows > e->logits_rows) {
         float *nl = realloc(e->logits, sizeof(float) * (size_t)e->vocab * (size_t)rows);
-        if (!nl) {
+        if (nl) e->logits = nl;
+        int32_t *ni = nl ? realloc(e->ids, sizeof(int32_t) * (size_t)rows) : NULL;
+        if (ni) e->ids = ni;
+        if (!nl || !ni) {
             pd_fail(&err, "out of memory for logits");
             for (int i = 0; i < b->n; i++) scheduler_finish(e->sched, b->seqs[i], FINISH_ERROR, err.msg);
             return;
         }
-        e->logits = nl;
         e->logits_rows = rows;
     }
-    if (opt_forward(e->model, e->kv, b->steps, b->n, e->logits, &err) != 0) {
+    /* A step whose every pick is an argmax fetches only the ids. */
+    bool argmax_only = rows > 0;
+    for (int i = 0; i < b->n && argmax_only; i++)
+        if (b->steps[i].want_logits && !engine_pick_is_argmax(e, b->seqs[i])) argmax_only = false;
+    if (opt_forward_ex(e->model, e->kv, b->steps, b->n, argmax_only ? NULL : e->logits, argmax_only ? e->ids : NULL,
+                       &err) != 0) {
         pd_log(PD_LOG_ERROR, "forward pass failed: %s", err.msg);
         for (int i = 0; i < b->n; i++) scheduler_finish(e->sched, b->seqs[i], FINISH_ERROR, err.msg);
         return;
@@ -431,7 +456,13 @@ static void engine_step(engine *e, sched_batch *b) {
             pthread_mutex_unlock(&s->mu);
         }
         if (!st->want_logits) continue;
-        finish_reason r = engine_sample(e, s, e->logits + (size_t)row++ * e->vocab);
+        finish_reason r;
+        if (argmax_only) {
+            sampler_record(s->smp, e->ids[row]);
+            r = engine_accept(e, s, e->ids[row++], 0, NULL, NULL);
+        } else {
+            r = engine_sample(e, s, e->logits + (size_t)row++ * e->vocab);
+        }
         e->work.generation_tokens++;
         if (r != FINISH_NONE) {
             b->finish[n_finished] = r;
@@ -523,6 +554,13 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     if (cfg->kv_transfer &&
         kv_connector_create(cfg->kv_transfer, e->model, e->kv, e->be, cfg->http_port, &e->conn, err) != 0)
         goto fail;
+    /* Decode steps of up to max_num_seqs sequences replay recorded graphs
+     * (beyond 512 they run eagerly; vLLM's default capture limit is 512 too). */
+    const int graph_batch = cfg->max_num_seqs < 512 ? cfg->max_num_seqs : 512;
+    if (opt_model_set_graphs(e->model, !cfg->enforce_eager, graph_batch, err) != 0) goto fail;
+    if (opt_model_graph_stats(e->model, NULL, NULL))
+        pd_log(PD_LOG_INFO, "engine: decode steps of up to %d sequences run as CUDA graphs (--enforce-eager turns "
+               "this off)", graph_batch);
     scheduler_config sc = {cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->enable_prefix_caching,
                            e->max_model_len};
     if (scheduler_create(&sc, e->pool, e->conn, &e->work, &e->sched, err) != 0) goto fail;
@@ -564,6 +602,7 @@ void engine_destroy(engine *e) {
     pd_backend_destroy(e->be);
     tokenizer_free(e->tok);
     free(e->logits);
+    free(e->ids);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);

@@ -52,11 +52,12 @@ static const cli_option serve_table[] = {
     {"shutdown-timeout", CLI_FLOAT, O(shutdown_timeout), "10", 0, 3600,
      "seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted"},
     {"log-level", CLI_STR, O(log_level), "info", 1, 0, "debug, info, warning, error"},
+    {"enforce-eager", CLI_BOOL, O(enforce_eager), "false", 1, 0,
+     "no CUDA graphs for decode steps (the CPU is always eager)"},
     {"help", CLI_BOOL, O(help), "false", 1, 0, "show this help"},
     /* ignored */
     {"gpu-memory-utilization", CLI_FLOAT, O(gpu_memory_utilization), "0.9", 1e-6, 1,
      "ignored on CPU (use --kv-cache-memory-bytes)"},
-    {"enforce-eager", CLI_BOOL, O(enforce_eager), "false", 1, 0, "ignored on CPU (always eager)"},
     {"tensor-parallel-size", CLI_INT, O(tensor_parallel_size), "1", 1, 1, "only 1"},
     {"pipeline-parallel-size", CLI_INT, O(pipeline_parallel_size), "1", 1, 1, "only 1"},
     {"enable-chunked-prefill", CLI_BOOL, O(enable_chunked_prefill), "true", 1, 0,
@@ -239,6 +240,7 @@ void serve_options_to_engine(const serve_options *o, const char *model_dir, engi
     c->threads = o->threads;
     c->backend = o->backend;
     c->max_waiting = o->max_waiting;
+    c->enforce_eager = o->enforce_eager != 0;
     c->kv_transfer = o->kv_transfer_config ? &o->kv_cfg : NULL;
     c->http_port = o->port;
 }

@@ -40,6 +40,7 @@ typedef struct cuda_ctx {
     size_t stage_bytes;
     float *f32; /* download staging: fp32 copy of a 16-bit buffer */
     size_t f32_bytes;
+    void *blas_ws; /* cuBLAS workspace: fixed, so captured graphs never allocate */
     int failed;    /* a deferred error is pending */
     char err[256]; /* its message */
     char name[48];
@@ -285,6 +286,90 @@ static void cu_paged_attention(pd_backend *be, void *out, const void *q, int q_s
     cu_check_launch(c, "paged_attention");
 }
 
+static void cu_argmax(pd_backend *be, int32_t *ids, const void *x, int rows, int n) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cuda_argmax(c->stream, be->dtype, ids, x, rows, n);
+    cu_check_launch(c, "argmax");
+}
+
+static int cu_copy_h2d_async(pd_backend *be, void *dst, const void *src, size_t bytes,
+                             pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    if (bytes == 0) return 0;
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, c->stream);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return pd_fail(err, "cuda backend: queued copy to device of %zu bytes: %s", bytes,
+                       cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+/* ---- CUDA graphs ----
+ * Capture is thread-local: only the engine thread's launches on our stream
+ * are recorded, other threads (HTTP, connector) may use CUDA meanwhile. */
+
+static int cu_graph_begin(pd_backend *be, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    if (c->failed) return cu_wait(c, "graph capture start", err);
+    cudaError_t e = cudaStreamBeginCapture(c->stream, cudaStreamCaptureModeThreadLocal);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return pd_fail(err, "cuda backend: starting a graph capture: %s", cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+static int cu_graph_end(pd_backend *be, void **out, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    *out = NULL;
+    cudaGraph_t graph = NULL;
+    cudaError_t e = cudaStreamEndCapture(c->stream, &graph);
+    if (c->failed) { /* an op failed while recording: the graph is not usable */
+        c->failed = 0;
+        if (graph) cudaGraphDestroy(graph);
+        cudaGetLastError();
+        return pd_fail(err, "cuda backend: graph capture: %s", c->err);
+    }
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        if (graph) cudaGraphDestroy(graph);
+        return pd_fail(err, "cuda backend: ending a graph capture: %s", cudaGetErrorString(e));
+    }
+    cudaGraphExec_t exec = NULL;
+    e = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return pd_fail(err, "cuda backend: instantiating a graph: %s", cudaGetErrorString(e));
+    }
+    *out = exec;
+    return 0;
+}
+
+static int cu_graph_launch(pd_backend *be, void *graph, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cudaError_t e = cudaGraphLaunch((cudaGraphExec_t)graph, c->stream);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return pd_fail(err, "cuda backend: launching a graph: %s", cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+static void cu_graph_free(pd_backend *be, void *graph) {
+    if (!graph) return;
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cudaStreamSynchronize(c->stream); /* a replay may still be running */
+    cudaGraphExecDestroy((cudaGraphExec_t)graph);
+}
+
 /* ---- lifetime ---- */
 
 static void cu_destroy(pd_backend *be) {
@@ -296,6 +381,7 @@ static void cu_destroy(pd_backend *be) {
         if (c->stage) cudaFree(c->stage);
         if (c->f32) cudaFree(c->f32);
         if (c->blas) cublasDestroy(c->blas);
+        if (c->blas_ws) cudaFree(c->blas_ws);
         if (c->stream) cudaStreamDestroy(c->stream);
         free(c);
     }
@@ -379,6 +465,16 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
         return pd_fail(err, "cuda backend: cuBLAS init on device %d: %s", device,
                        cublasGetStatusString(st));
     }
+    /* A workspace of our own: cuBLAS then never allocates inside a graph
+     * capture (32 MiB is what NVIDIA suggests for Hopper). */
+    const size_t ws_bytes = (size_t)32 << 20;
+    if ((e = cudaMalloc(&c->blas_ws, ws_bytes)) != cudaSuccess ||
+        cublasSetWorkspace(c->blas, c->blas_ws, ws_bytes) != CUBLAS_STATUS_SUCCESS) {
+        cudaGetLastError();
+        cu_destroy(be);
+        return pd_fail(err, "cuda backend: cuBLAS workspace on device %d: %s", device,
+                       cudaGetErrorString(e));
+    }
     /* fp32 mode stays true fp32 (no TF32) so it matches the CPU backend. */
     cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH);
 
@@ -406,6 +502,12 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->gather_rows = cu_gather_rows;
     be->kv_write = cu_kv_write;
     be->paged_attention = cu_paged_attention;
+    be->argmax = cu_argmax;
+    be->copy_h2d_async = cu_copy_h2d_async;
+    be->graph_begin = cu_graph_begin;
+    be->graph_end = cu_graph_end;
+    be->graph_launch = cu_graph_launch;
+    be->graph_free = cu_graph_free;
     be->destroy = cu_destroy;
     *out = be;
     return 0;

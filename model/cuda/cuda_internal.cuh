@@ -89,4 +89,9 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
                           const void *k_cache, const void *v_cache, const pd_step_meta *meta,
                           int heads, int head_dim, int block_size, float scale);
 
+/* ---- launchers (cuda_sample.cu) ---- */
+
+/* ids[r] = index of the largest of row r of x [rows, n] (lowest on ties). */
+void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n);
+
 #endif

@@ -10,6 +10,10 @@
  *  - one batched step of three sequences at different points: a decode,
  *    a fresh 9-token prompt and a 12-token chunk after a cached prefix;
  * at block sizes 4 and 16 (24 blocks per sequence: 96 and 384 tokens).
+ * Then decode graphs on the GPU side: batches of 1..4 sequences (padded to
+ * recordings of 1, 2 and 4), replayed again and again, must still match the
+ * CPU, and the device's greedy picks (opt_forward_ex ids) must equal the
+ * argmax of the logits it returned.
  *
  * Without a GPU (or without the CUDA build) it prints why and passes. */
 #include <math.h>
@@ -138,6 +142,74 @@ static void run_scenarios(rig *r) {
     step_both(r, "batch of 3", batch, 3);
 }
 
+/* Decode steps through the GPU's recorded graphs. */
+static void run_graphs(rig *r) {
+    pd_err err;
+    CHECKF(opt_model_set_graphs(r->gpu.m, true, 4, &err) == 0, "%s", err.msg);
+    CHECK(opt_model_graph_stats(r->gpu.m, NULL, NULL) == 1);
+    int32_t prompt[16], tok[MAX_SEQS];
+    int pos[MAX_SEQS];
+    for (int i = 0; i < 16; i++)
+        prompt[i] = (int32_t)(urand() % (uint32_t)r->V);
+    for (int q = 0; q < MAX_SEQS; q++) { /* fresh prompts of 5..8 tokens */
+        opt_seq_step s = seq_step(r, q, prompt + q, 5 + q, 0);
+        tok[q] = step_both(r, "graph prefill", &s, 1);
+        pos[q] = 5 + q;
+    }
+    float *lg = calloc((size_t)MAX_SEQS * r->V, sizeof(float));
+    for (int round = 0; round < 3; round++) {
+        for (int B = 1; B <= MAX_SEQS; B++) {
+            opt_seq_step steps[MAX_SEQS];
+            for (int q = 0; q < B; q++)
+                steps[q] = seq_step(r, q, &tok[q], 1, pos[q]);
+            char what[48];
+            snprintf(what, sizeof what, "graph decode round %d batch %d", round, B);
+            /* The CPU reference first (it does not touch tok), then the GPU
+             * with both outputs, whose logits step_both cannot see. */
+            float *lc = calloc((size_t)B * r->V, sizeof(float));
+            int32_t ids[MAX_SEQS];
+            CHECKF(opt_forward(r->cpu.m, r->cpu.kv, steps, B, lc, &err) == 0, "cpu %s: %s", what,
+                   err.msg);
+            CHECKF(opt_forward_ex(r->gpu.m, r->gpu.kv, steps, B, lg, ids, &err) == 0, "%s %s: %s",
+                   r->variant, what, err.msg);
+            for (int q = 0; q < B; q++) {
+                const float *c = lc + (size_t)q * r->V, *g = lg + (size_t)q * r->V;
+                double max_diff = 0, max_ref = 1.0;
+                int best_g = 0, best_c = 0;
+                for (int i = 0; i < r->V; i++) {
+                    const double d = fabs((double)c[i] - g[i]);
+                    if (!(d <= max_diff)) max_diff = d; /* NaN sticks */
+                    if (fabs(c[i]) > max_ref) max_ref = fabs(c[i]);
+                    if (g[i] > g[best_g]) best_g = i;
+                    if (c[i] > c[best_c]) best_c = i;
+                }
+                CHECKF(max_diff <= r->tol * max_ref, "%s bs=%d %s row %d: max diff %.3g of %.3g",
+                       r->variant, r->bs, what, q, max_diff, max_ref);
+                CHECKF(ids[q] == best_g, "%s %s row %d: device pick %d, argmax of its logits %d",
+                       r->variant, what, q, ids[q], best_g);
+                tok[q] = best_c; /* both sides go on with the CPU's pick */
+                pos[q]++;
+            }
+            free(lc);
+        }
+    }
+    int captures = 0, replays = 0;
+    opt_model_graph_stats(r->gpu.m, &captures, &replays);
+    CHECKF(captures == 3 && replays == 3 * MAX_SEQS,
+           "%s: %d recordings (3 expected: batches 1, 2, 4), %d replays (%d expected)", r->variant,
+           captures, replays, 3 * MAX_SEQS);
+    /* A prefill step runs eagerly beside the recordings and leaves them valid. */
+    opt_seq_step s = seq_step(r, 0, prompt, 3, pos[0]);
+    step_both(r, "prefill between graph steps", &s, 1);
+    pos[0] += 3;
+    opt_seq_step d = seq_step(r, 0, &tok[0], 1, pos[0]);
+    step_both(r, "graph decode after a prefill", &d, 1);
+    opt_model_graph_stats(r->gpu.m, &captures, &replays);
+    CHECKF(captures == 3, "%s: %d recordings after an eager prefill (3 expected)", r->variant,
+           captures);
+    free(lg);
+}
+
 static void run_model(const char *dir, const char *variant, double tol, int bs) {
     rig *r = calloc(1, sizeof *r);
     r->variant = variant;
@@ -164,6 +236,7 @@ static void run_model(const char *dir, const char *variant, double tol, int bs) 
     if (ok) {
         r->V = opt_model_config(r->cpu.m)->vocab_size;
         run_scenarios(r);
+        run_graphs(r);
     }
     side_close(&r->gpu);
     side_close(&r->cpu);
