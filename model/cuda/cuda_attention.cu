@@ -211,7 +211,8 @@ static void attention_block_launch(cudaStream_t s, void *out, const void *q, int
 
 void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                           const void *k_cache, const void *v_cache, const pd_step_meta *meta,
-                          int heads, int head_dim, int block_size, float scale) {
+                          int heads, int head_dim, int block_size, float scale, float *work,
+                          size_t work_floats) {
     if (meta->n_tokens <= 0 || heads <= 0 || head_dim <= 0) return;
     /* The longest context a step can have is max_blocks * block_size (the
      * block-table row length), known on the host without reading positions. */
@@ -220,6 +221,10 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
     /* Few queries (decode): spread each one's positions over a whole block.
      * Many queries (prefill): one warp each already fills the GPU. */
     const bool few_queries = (long)meta->n_tokens * heads < 2048;
+    if (few_queries && cuda_decode_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta,
+                                             heads, head_dim, block_size, scale, work,
+                                             work_floats))
+        return;
     if (few_queries && head_dim <= ATTN_THREADS && smem <= 48 * 1024) {
         CUDA_DISPATCH(dt, E,
                       attention_block_launch<E>(s, out, q, q_stride, k_cache, v_cache, meta, heads,

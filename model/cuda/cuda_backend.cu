@@ -41,6 +41,8 @@ typedef struct cuda_ctx {
     float *f32; /* download staging: fp32 copy of a 16-bit buffer */
     size_t f32_bytes;
     void *blas_ws; /* cuBLAS workspace: fixed, so captured graphs never allocate */
+    float *attn_work; /* decode attention's per-part results (fixed, like blas_ws) */
+    size_t attn_work_floats;
     int failed;    /* a deferred error is pending */
     char err[256]; /* its message */
     char name[48];
@@ -282,7 +284,7 @@ static void cu_paged_attention(pd_backend *be, void *out, const void *q, int q_s
         return;
     }
     cuda_paged_attention(c->stream, be->dtype, out, q, q_stride, k_cache, v_cache, meta, heads,
-                         head_dim, block_size, scale);
+                         head_dim, block_size, scale, c->attn_work, c->attn_work_floats);
     cu_check_launch(c, "paged_attention");
 }
 
@@ -382,6 +384,7 @@ static void cu_destroy(pd_backend *be) {
         if (c->f32) cudaFree(c->f32);
         if (c->blas) cublasDestroy(c->blas);
         if (c->blas_ws) cudaFree(c->blas_ws);
+        if (c->attn_work) cudaFree(c->attn_work);
         if (c->stream) cudaStreamDestroy(c->stream);
         free(c);
     }
@@ -473,6 +476,15 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
         cudaGetLastError();
         cu_destroy(be);
         return pd_fail(err, "cuda backend: cuBLAS workspace on device %d: %s", device,
+                       cudaGetErrorString(e));
+    }
+    /* 32 MiB holds the parts of 2,048 (token, head) items of 64 dims over
+     * 8k positions; steps beyond that use the unsplit kernels. */
+    c->attn_work_floats = ((size_t)32 << 20) / sizeof(float);
+    if ((e = cudaMalloc((void **)&c->attn_work, c->attn_work_floats * sizeof(float))) != cudaSuccess) {
+        cudaGetLastError();
+        cu_destroy(be);
+        return pd_fail(err, "cuda backend: attention work space on device %d: %s", device,
                        cudaGetErrorString(e));
     }
     /* fp32 mode stays true fp32 (no TF32) so it matches the CPU backend. */

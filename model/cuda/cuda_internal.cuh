@@ -87,7 +87,19 @@ void cuda_layer_norm(cudaStream_t s, pd_dtype dt, void *y, const void *x, const 
 #define CUDA_MAX_HEAD_DIM 512
 void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                           const void *k_cache, const void *v_cache, const pd_step_meta *meta,
-                          int heads, int head_dim, int block_size, float scale);
+                          int heads, int head_dim, int block_size, float scale, float *work,
+                          size_t work_floats);
+
+/* ---- launchers (cuda_decode_attn.cu) ---- */
+
+/* Floats of work space cuda_decode_attention needs for a step. */
+size_t cuda_decode_attention_work(int n_tokens, int heads, int head_dim, int max_ctx);
+/* Context-split attention for few-query steps; false (nothing queued) when
+ * head_dim > 256 or work is too small, and the caller picks another kernel. */
+bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
+                           const void *k_cache, const void *v_cache, const pd_step_meta *m,
+                           int heads, int head_dim, int block_size, float scale, float *work,
+                           size_t work_floats);
 
 /* ---- launchers (cuda_sample.cu) ---- */
 

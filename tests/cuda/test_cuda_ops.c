@@ -269,7 +269,9 @@ static void test_rows(const pair *p) {
 /* Sequences of one step: (tokens already cached, new tokens). Mixes a first
  * decode token, a prefill chunk after a cached prefix, a whole prompt, a
  * decode step deep in a sequence, and a one-token prompt. */
-static const int attn_seqs[][2] = {{0, 1}, {12, 5}, {0, 70}, {40, 1}, {0, 1}, {33, 31}};
+/* Long single-query contexts cross the decode kernel's 256-position parts. */
+static const int attn_seqs[][2] = {{0, 1},   {12, 5},   {0, 70},   {40, 1},   {0, 1},
+                                   {33, 31},  {254, 1},  {255, 1},  {256, 1},  {1000, 1}, {600, 3}};
 #define ATTN_NSEQ ((int)(sizeof attn_seqs / sizeof attn_seqs[0]))
 
 static void attention_case(const pair *p, int bs, int heads, int hd) {

@@ -1,0 +1,191 @@
+/* cuda_decode_attn: attention for steps with few queries (decode), split
+ * along the context ("flash decoding").
+ *
+ * A decode step has one query per sequence: batch 1 on a 12-head model is
+ * only 12 (token, head) items, far too few blocks to keep an H200's 132 SMs
+ * busy while each walks thousands of cached positions. So every item's
+ * context is cut into parts of DEC_PART positions, one thread block per
+ * (item, part):
+ *   1. each thread scores one position (q . k, q pre-scaled, fp32);
+ *   2. the part's max m and sum l of exp(s - m) (block reductions);
+ *   3. the part's unnormalised output o = sum_p exp(s_p - m) v_p, with the
+ *      threads in groups of head_dim lanes reading V rows coalesced;
+ * and a second kernel merges the parts of each item in order:
+ *   M = max m_i, out = sum exp(m_i - M) o_i / sum exp(m_i - M) l_i.
+ * A context of at most DEC_PART positions has one part, written out directly
+ * (the merge skips it). The split depends only on the item's own context
+ * length, never on what else is in the step, so results stay independent of
+ * the batch; the grid depends only on host-known sizes (the block-table row
+ * length bounds every context), so a recorded graph stays valid for any
+ * context lengths up to it. */
+#include <math.h>
+
+#include "model/cuda/cuda_internal.cuh"
+
+#define DEC_PART 256    /* positions per part (= threads per block) */
+#define DEC_THREADS 256
+
+__device__ __forceinline__ float dec_reduce(float v, float *red, bool is_max) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, w) : v + w;
+    }
+    __syncthreads(); /* red may still be read from a previous reduction */
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = red[0];
+    for (int i = 1; i < DEC_THREADS / 32; i++) r = is_max ? fmaxf(r, red[i]) : r + red[i];
+    return r;
+}
+
+/* q . k over head_dim with 16-byte loads when the row allows it. */
+template <typename T> __device__ __forceinline__ float dec_dot(const float *qs, const T *k, int hd) {
+    float s = 0.0f;
+    for (int d = 0; d < hd; d++) s += qs[d] * to_f32(k[d]);
+    return s;
+}
+template <> __device__ __forceinline__ float dec_dot<__half>(const float *qs, const __half *k, int hd) {
+    float s = 0.0f;
+    if ((hd & 7) == 0) {
+        const uint4 *k4 = (const uint4 *)k;
+        for (int c = 0; c < hd / 8; c++) {
+            const uint4 u = k4[c];
+            const __half2 *h2 = (const __half2 *)&u;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float2 f = __half22float2(h2[j]);
+                s += qs[8 * c + 2 * j] * f.x + qs[8 * c + 2 * j + 1] * f.y;
+            }
+        }
+        return s;
+    }
+    for (int d = 0; d < hd; d++) s += qs[d] * __half2float(k[d]);
+    return s;
+}
+template <>
+__device__ __forceinline__ float dec_dot<__nv_bfloat16>(const float *qs, const __nv_bfloat16 *k, int hd) {
+    float s = 0.0f;
+    if ((hd & 7) == 0) {
+        const uint4 *k4 = (const uint4 *)k;
+        for (int c = 0; c < hd / 8; c++) {
+            const uint4 u = k4[c];
+            const __nv_bfloat162 *b2 = (const __nv_bfloat162 *)&u;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float2 f = __bfloat1622float2(b2[j]);
+                s += qs[8 * c + 2 * j] * f.x + qs[8 * c + 2 * j + 1] * f.y;
+            }
+        }
+        return s;
+    }
+    for (int d = 0; d < hd; d++) s += qs[d] * __bfloat162float(k[d]);
+    return s;
+}
+
+template <typename T>
+__global__ void decode_part_kernel(float *part_o, float *part_ml, T *out, const T *q, int q_stride,
+                                   const T *k_cache, const T *v_cache, const int32_t *positions,
+                                   const int32_t *token_seq, const int32_t *block_tables,
+                                   int max_blocks, int heads, int head_dim, int block_size,
+                                   float scale, int n_parts) {
+    extern __shared__ float smem[]; /* [head_dim] q, [DEC_THREADS] partial outputs, [DEC_PART] e */
+    __shared__ float red[DEC_THREADS / 32];
+    const int item = blockIdx.x, part_i = blockIdx.y;
+    const int t = item / heads, h = item % heads;
+    const int n_ctx = positions[t] + 1;
+    const int p0 = part_i * DEC_PART;
+    if (p0 >= n_ctx) return; /* the whole block: this context is shorter */
+    const int p1 = min(n_ctx, p0 + DEC_PART);
+    const int32_t *table = block_tables + (size_t)token_seq[t] * max_blocks;
+    const size_t row = (size_t)heads * head_dim;
+    float *qs = smem, *acc_part = smem + head_dim, *e = acc_part + DEC_THREADS;
+    const T *qt = q + (size_t)t * q_stride + (size_t)h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) qs[d] = to_f32(qt[d]) * scale;
+    __syncthreads();
+
+    const int p = p0 + (int)threadIdx.x;
+    float sc = -INFINITY;
+    if (p < p1) {
+        const size_t slot = (size_t)table[p / block_size] * block_size + (size_t)(p % block_size);
+        sc = dec_dot<T>(qs, k_cache + slot * row + (size_t)h * head_dim, head_dim);
+    }
+    const float mx = dec_reduce(sc, red, true);
+    const float ex = p < p1 ? expf(sc - mx) : 0.0f;
+    e[threadIdx.x] = ex;
+    const float sum = dec_reduce(ex, red, false); /* its barriers also publish e[] */
+
+    const int groups = DEC_THREADS / head_dim;
+    const int g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
+    float acc = 0.0f;
+    if (g < groups)
+        for (int pp = p0 + g; pp < p1; pp += groups) {
+            const size_t slot = (size_t)table[pp / block_size] * block_size + (size_t)(pp % block_size);
+            acc += e[pp - p0] * to_f32(v_cache[slot * row + (size_t)h * head_dim + d]);
+        }
+    acc_part[threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.x < head_dim) {
+        float o = 0.0f;
+        for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + threadIdx.x];
+        if (n_ctx <= DEC_PART) {
+            out[(size_t)t * row + (size_t)h * head_dim + threadIdx.x] = from_f32<T>(o / sum);
+        } else {
+            const size_t at = (size_t)item * n_parts + part_i;
+            part_o[at * head_dim + threadIdx.x] = o;
+            if (threadIdx.x == 0) {
+                part_ml[2 * at] = mx;
+                part_ml[2 * at + 1] = sum;
+            }
+        }
+    }
+}
+
+template <typename T>
+__global__ void decode_merge_kernel(T *out, const float *part_o, const float *part_ml,
+                                    const int32_t *positions, int heads, int head_dim, int n_parts) {
+    const int item = blockIdx.x, t = item / heads, h = item % heads;
+    const int n_ctx = positions[t] + 1;
+    if (n_ctx <= DEC_PART) return; /* written by its only part */
+    const int used = (n_ctx + DEC_PART - 1) / DEC_PART;
+    const float *ml = part_ml + (size_t)item * n_parts * 2;
+    float M = -INFINITY;
+    for (int i = 0; i < used; i++) M = fmaxf(M, ml[2 * i]);
+    float L = 0.0f;
+    for (int i = 0; i < used; i++) L += expf(ml[2 * i] - M) * ml[2 * i + 1];
+    const size_t row = (size_t)heads * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.0f;
+        for (int i = 0; i < used; i++)
+            o += expf(ml[2 * i] - M) * part_o[((size_t)item * n_parts + i) * head_dim + d];
+        out[(size_t)t * row + (size_t)h * head_dim + d] = from_f32<T>(o / L);
+    }
+}
+
+size_t cuda_decode_attention_work(int n_tokens, int heads, int head_dim, int max_ctx) {
+    const size_t parts = (size_t)(max_ctx + DEC_PART - 1) / DEC_PART;
+    return (size_t)n_tokens * heads * parts * ((size_t)head_dim + 2);
+}
+
+bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
+                           const void *k_cache, const void *v_cache, const pd_step_meta *m,
+                           int heads, int head_dim, int block_size, float scale, float *work,
+                           size_t work_floats) {
+    const int max_ctx = m->max_blocks * block_size;
+    if (head_dim > DEC_THREADS || max_ctx <= 0 ||
+        cuda_decode_attention_work(m->n_tokens, heads, head_dim, max_ctx) > work_floats)
+        return false;
+    const int n_parts = (max_ctx + DEC_PART - 1) / DEC_PART;
+    const int items = m->n_tokens * heads;
+    float *part_o = work, *part_ml = work + (size_t)items * n_parts * head_dim;
+    const size_t smem = sizeof(float) * ((size_t)head_dim + DEC_THREADS + DEC_PART);
+    const dim3 grid((unsigned)items, (unsigned)n_parts);
+    CUDA_DISPATCH(dt, E,
+                  decode_part_kernel<E><<<grid, DEC_THREADS, smem, s>>>(
+                      part_o, part_ml, (E *)out, (const E *)q, q_stride, (const E *)k_cache,
+                      (const E *)v_cache, m->positions, m->token_seq, m->block_tables,
+                      m->max_blocks, heads, head_dim, block_size, scale, n_parts);
+                  if (n_parts > 1) decode_merge_kernel<E><<<items, head_dim < 128 ? head_dim : 128, 0, s>>>(
+                      (E *)out, part_o, part_ml, m->positions, heads, head_dim, n_parts))
+    return true;
+}
