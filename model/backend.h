@@ -102,6 +102,8 @@ struct pd_backend {
     /* Queue a host-to-device copy without waiting. src must stay unchanged
      * until the next sync or download (the copy is ordered before later ops). */
     int (*copy_h2d_async)(pd_backend *be, void *dst, const void *src, size_t bytes, pd_err *err);
+    /* Queue a device-to-device copy (also the bandwidth probe of benchmarks). */
+    void (*copy_d2d)(pd_backend *be, void *dst, const void *src, size_t bytes);
     /* Graph capture: between graph_begin and graph_end every compute op is
      * recorded instead of run (copies and syncs are not allowed there);
      * graph_launch replays the recording with the same pointers and sizes. */

@@ -14,7 +14,9 @@
  * max grows) is updated exactly as on the CPU. All of it is fp32.
  *
  * This is the simple version: one query per warp, positions one at a time,
- * no shared-memory tiling of K/V across the queries of a prefill. */
+ * no shared-memory tiling of K/V across the queries of a prefill. Prefills
+ * in fp16/bf16 go to the tensor-core kernel of cuda_flash.cu instead (see
+ * cuda_paged_attention at the end). */
 #include <math.h>
 
 #include "model/cuda/cuda_internal.cuh"
@@ -214,6 +216,14 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
                           int heads, int head_dim, int block_size, float scale, float *work,
                           size_t work_floats) {
     if (meta->n_tokens <= 0 || heads <= 0 || head_dim <= 0) return;
+    /* A prefill (or a chunk of one) in 16 bits: the tensor-core kernel, which
+     * shares each K/V tile among 64 queries. fp32 keeps the kernels below,
+     * exactly comparable with the CPU; so do decode-only steps. */
+    if (cuda_flash_attention_fits(dt, out, q, q_stride, k_cache, v_cache, meta, heads, head_dim)) {
+        cuda_flash_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta, heads, head_dim,
+                             block_size, scale);
+        return;
+    }
     /* The longest context a step can have is max_blocks * block_size (the
      * block-table row length), known on the host without reading positions. */
     const int max_ctx = meta->max_blocks * block_size;

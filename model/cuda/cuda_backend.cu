@@ -309,6 +309,13 @@ static int cu_copy_h2d_async(pd_backend *be, void *dst, const void *src, size_t 
     return 0;
 }
 
+static void cu_copy_d2d(pd_backend *be, void *dst, const void *src, size_t bytes) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    if (bytes && cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream) != cudaSuccess)
+        cu_defer(c, "copy_d2d", cudaGetErrorString(cudaGetLastError()));
+}
+
 /* ---- CUDA graphs ----
  * Capture is thread-local: only the engine thread's launches on our stream
  * are recorded, other threads (HTTP, connector) may use CUDA meanwhile. */
@@ -516,6 +523,7 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->paged_attention = cu_paged_attention;
     be->argmax = cu_argmax;
     be->copy_h2d_async = cu_copy_h2d_async;
+    be->copy_d2d = cu_copy_d2d;
     be->graph_begin = cu_graph_begin;
     be->graph_end = cu_graph_end;
     be->graph_launch = cu_graph_launch;

@@ -78,10 +78,21 @@ void cuda_gather_rows(cudaStream_t s, pd_dtype dt, void *y, const void *x, const
 void cuda_kv_write(cudaStream_t s, pd_dtype dt, void *k_cache, void *v_cache, const void *k,
                    const void *v, int stride, const int32_t *slot_mapping, int T, int kv_dim);
 
-/* ---- launchers (cuda_layernorm.cu, cuda_attention.cu) ---- */
+/* ---- launchers (cuda_layernorm.cu, cuda_flash.cu, cuda_attention.cu) ---- */
 
 void cuda_layer_norm(cudaStream_t s, pd_dtype dt, void *y, const void *x, const void *w,
                      const void *b, int rows, int dim, float eps);
+
+/* Tensor-core attention for prefills (cuda_flash.cu), used by
+ * cuda_paged_attention. _fits says, from the host-side arguments only,
+ * whether it takes the call: fp16/bf16, head_dim a multiple of 16 up to
+ * 128, max_q_len >= 16, 16-byte aligned rows, a device of sm_80 or later. */
+bool cuda_flash_attention_fits(pd_dtype dt, const void *out, const void *q, int q_stride,
+                               const void *k_cache, const void *v_cache, const pd_step_meta *meta,
+                               int heads, int head_dim);
+void cuda_flash_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
+                          const void *k_cache, const void *v_cache, const pd_step_meta *meta,
+                          int heads, int head_dim, int block_size, float scale);
 
 /* Largest head_dim the attention kernel takes (16 values per lane of a warp). */
 #define CUDA_MAX_HEAD_DIM 512

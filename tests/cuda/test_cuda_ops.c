@@ -11,8 +11,12 @@
  * (offset, accumulate), gather_rows, kv_write (scattered slots, strided
  * rows), and paged attention (block sizes 1/16/32, head_dim 8/64/80/128,
  * sequences of different lengths mixing decode and prefill, scrambled
- * block tables). Plus the error paths: an unknown variant, a missing
- * device, an impossible allocation.
+ * block tables; prefill-shaped steps of up to 700 new tokens per sequence
+ * after cached prefixes, which the 16-bit variants run on the tensor-core
+ * kernel, with head_dim 40 for the fallback; decode-only steps; one
+ * 2048-token prompt at opt-125m's 12 heads x 64, timed and printed). Plus
+ * the error paths: an unknown variant, a missing device, an impossible
+ * allocation.
  *
  * Without a GPU (or without the CUDA build) it prints why and passes: the
  * test carries the ctest label gpu and is meant for the GPU machine. */
@@ -21,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/pd_common.h"
 #include "model/backend.h"
 #include "tests/common/testlib.h"
 
@@ -266,21 +271,42 @@ static void test_rows(const pair *p) {
 
 /* ---- paged attention ---- */
 
-/* Sequences of one step: (tokens already cached, new tokens). Mixes a first
- * decode token, a prefill chunk after a cached prefix, a whole prompt, a
- * decode step deep in a sequence, and a one-token prompt. */
-/* Long single-query contexts cross the decode kernel's 256-position parts. */
-static const int attn_seqs[][2] = {{0, 1},   {12, 5},   {0, 70},   {40, 1},   {0, 1},
-                                   {33, 31},  {254, 1},  {255, 1},  {256, 1},  {1000, 1}, {600, 3}};
-#define ATTN_NSEQ ((int)(sizeof attn_seqs / sizeof attn_seqs[0]))
+/* One sequence of a step: tokens already in the cache, then new tokens. */
+typedef struct attn_seq {
+    int cached, fresh;
+} attn_seq;
 
-static void attention_case(const pair *p, int bs, int heads, int hd) {
-    int T = 0, max_blocks = 0, total_blocks = 0;
-    for (int s = 0; s < ATTN_NSEQ; s++) {
-        const int len = attn_seqs[s][0] + attn_seqs[s][1], nb = (len + bs - 1) / bs;
-        T += attn_seqs[s][1];
+/* Mixes a first decode token, a prefill chunk after a cached prefix, a whole
+ * prompt, a decode step deep in a sequence, and a one-token prompt. Its
+ * longest sequence has 70 new tokens, so 16-bit variants take the
+ * tensor-core (flash) kernel for every sequence of the step. */
+static const attn_seq attn_mixed[] = {{0, 1}, {12, 5}, {0, 70}, {40, 1}, {0, 1}, {33, 31}};
+/* Prefill-shaped: whole prompts and chunks after a prefix (start 5, 64, 333:
+ * not tile-aligned, and tile-aligned), partial and exact query tiles (17,
+ * 200, 64, 16 and 700 new tokens), and decodes riding along. */
+static const attn_seq attn_prefill[] = {{0, 200}, {5, 17},  {0, 1}, {333, 700},
+                                        {40, 1},  {64, 64}, {0, 16}};
+/* Decode only (one new token each): the context-split decode kernel in every
+ * variant; the long contexts cross its 256-position parts. */
+static const attn_seq attn_decode[] = {{0, 1},   {40, 1},   {150, 1}, {5, 1},
+                                       {254, 1}, {255, 1},  {256, 1}, {1000, 1}};
+/* One 2048-token prompt: the speed figure (opt-125m: 12 heads x 64). */
+static const attn_seq attn_long[] = {{0, 2048}};
+#define NSEQ(a) ((int)(sizeof a / sizeof a[0]))
+
+/* Runs one paged_attention call on both backends and compares the outputs.
+ * time_iters > 0 also times that many back-to-back GPU calls between two
+ * syncs (the stream is the backend's own, so host time around a full queue
+ * is what a layer costs) and prints the figure. */
+static void attention_case(const pair *p, const char *set, const attn_seq *seqs, int n_seqs, int bs,
+                           int heads, int hd, int time_iters) {
+    int T = 0, max_blocks = 0, total_blocks = 0, max_q = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const int len = seqs[s].cached + seqs[s].fresh, nb = (len + bs - 1) / bs;
+        T += seqs[s].fresh;
         total_blocks += nb;
         if (nb > max_blocks) max_blocks = nb;
+        if (seqs[s].fresh > max_q) max_q = seqs[s].fresh;
     }
     const int num_blocks = total_blocks + 3; /* some blocks belong to no one */
     int32_t *perm = malloc(sizeof(int32_t) * (size_t)num_blocks);
@@ -291,26 +317,31 @@ static void attention_case(const pair *p, int bs, int heads, int hd) {
         perm[i] = perm[j], perm[j] = t;
     }
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)T), *seq = malloc(sizeof(int32_t) * (size_t)T);
-    int32_t *tables = malloc(sizeof(int32_t) * (size_t)(ATTN_NSEQ * max_blocks));
-    int32_t lens[ATTN_NSEQ];
+    int32_t *tables = malloc(sizeof(int32_t) * (size_t)(n_seqs * max_blocks));
+    int32_t *lens = malloc(sizeof(int32_t) * (size_t)n_seqs);
+    int32_t *q_start = malloc(sizeof(int32_t) * (size_t)(n_seqs + 1));
     int t = 0, next = 0;
-    for (int s = 0; s < ATTN_NSEQ; s++) {
-        const int len = attn_seqs[s][0] + attn_seqs[s][1], nb = (len + bs - 1) / bs;
+    for (int s = 0; s < n_seqs; s++) {
+        const int len = seqs[s].cached + seqs[s].fresh, nb = (len + bs - 1) / bs;
         for (int b = 0; b < max_blocks; b++)
             tables[s * max_blocks + b] = b < nb ? perm[next++] : -1;
-        for (int j = 0; j < attn_seqs[s][1]; j++, t++) {
-            pos[t] = attn_seqs[s][0] + j;
+        q_start[s] = t;
+        for (int j = 0; j < seqs[s].fresh; j++, t++) {
+            pos[t] = seqs[s].cached + j;
             seq[t] = s;
         }
         lens[s] = len;
     }
+    q_start[n_seqs] = T;
     const size_t row = (size_t)heads * hd, cache_n = (size_t)num_blocks * bs * row;
     const int q_stride = 3 * (int)row;
     float *kc = rand_vec(cache_n, -1, 1), *vc = rand_vec(cache_n, -1, 1);
     float *q = rand_vec((size_t)T * q_stride, -2, 2); /* peaky enough to move the max often */
     pd_backend *be[2] = {p->cpu, p->gpu};
     void *dk[2], *dv[2], *dq[2], *dout[2];
-    int32_t *dpos[2], *dseq[2], *dtab[2], *dlen[2];
+    int32_t *dpos[2], *dseq[2], *dtab[2], *dlen[2], *dqs[2];
+    pd_step_meta m[2];
+    const float scale = 1.0f / sqrtf((float)hd);
     for (int i = 0; i < 2; i++) {
         pd_err err;
         dk[i] = up_f32(be[i], kc, cache_n);
@@ -319,28 +350,44 @@ static void attention_case(const pair *p, int bs, int heads, int hd) {
         dout[i] = be[i]->alloc(be[i], (size_t)T * row * be[i]->elem_size, &err);
         dpos[i] = up_i32(be[i], pos, T);
         dseq[i] = up_i32(be[i], seq, T);
-        dtab[i] = up_i32(be[i], tables, (size_t)ATTN_NSEQ * max_blocks);
-        dlen[i] = up_i32(be[i], lens, ATTN_NSEQ);
-        pd_step_meta m = {.n_tokens = T,
-                          .n_seqs = ATTN_NSEQ,
-                          .max_blocks = max_blocks,
-                          .positions = dpos[i],
-                          .token_seq = dseq[i],
-                          .block_tables = dtab[i],
-                          .seq_lens = dlen[i]};
-        be[i]->paged_attention(be[i], dout[i], dq[i], q_stride, dk[i], dv[i], &m, heads, hd, bs,
-                               1.0f / sqrtf((float)hd));
+        dtab[i] = up_i32(be[i], tables, (size_t)n_seqs * max_blocks);
+        dlen[i] = up_i32(be[i], lens, n_seqs);
+        dqs[i] = up_i32(be[i], q_start, (size_t)n_seqs + 1);
+        m[i] = (pd_step_meta){.n_tokens = T,
+                              .n_seqs = n_seqs,
+                              .max_blocks = max_blocks,
+                              .positions = dpos[i],
+                              .token_seq = dseq[i],
+                              .block_tables = dtab[i],
+                              .seq_lens = dlen[i],
+                              .seq_q_start = dqs[i],
+                              .max_q_len = max_q};
+        be[i]->paged_attention(be[i], dout[i], dq[i], q_stride, dk[i], dv[i], &m[i], heads, hd, bs,
+                               scale);
     }
     sync_ok(p, "paged_attention");
-    char what[96];
-    snprintf(what, sizeof what, "paged_attention bs=%d heads=%d head_dim=%d", bs, heads, hd);
+    char what[128];
+    snprintf(what, sizeof what, "paged_attention %s bs=%d heads=%d head_dim=%d (T=%d)", set, bs,
+             heads, hd, T);
     compare(p, what, dout[0], dout[1], (size_t)T * row);
+    if (time_iters > 0) {
+        pd_backend *g = p->gpu;
+        const double t0 = pd_now();
+        for (int k = 0; k < time_iters; k++)
+            g->paged_attention(g, dout[1], dq[1], q_stride, dk[1], dv[1], &m[1], heads, hd, bs,
+                               scale);
+        sync_ok(p, "paged_attention timing");
+        const double ms = (pd_now() - t0) * 1e3 / time_iters;
+        printf("%s: %s: %.3f ms per layer, %.2f ms for 12 layers (mean of %d calls)\n", p->variant,
+               what, ms, 12 * ms, time_iters);
+    }
     for (int i = 0; i < 2; i++) {
-        void *ptrs[] = {dk[i], dv[i], dq[i], dout[i], dpos[i], dseq[i], dtab[i], dlen[i]};
-        for (int k = 0; k < 8; k++)
+        void *ptrs[] = {dk[i], dv[i], dq[i], dout[i], dpos[i], dseq[i], dtab[i], dlen[i], dqs[i]};
+        for (int k = 0; k < 9; k++)
             be[i]->free(be[i], ptrs[k]);
     }
-    free(perm), free(pos), free(seq), free(tables), free(kc), free(vc), free(q);
+    free(perm), free(pos), free(seq), free(tables), free(lens), free(q_start), free(kc), free(vc),
+        free(q);
 }
 
 static void test_attention(const pair *p) {
@@ -348,7 +395,20 @@ static void test_attention(const pair *p) {
     const int dims[][2] = {{3, 64}, {2, 80}, {4, 8}, {1, 128}}; /* heads, head_dim */
     for (int b = 0; b < 3; b++)
         for (int d = 0; d < 4; d++)
-            attention_case(p, block_sizes[b], dims[d][0], dims[d][1]);
+            attention_case(p, "mixed", attn_mixed, NSEQ(attn_mixed), block_sizes[b], dims[d][0],
+                           dims[d][1], 0);
+    /* head_dim 64, 80, 128 take the flash kernel in 16 bits; 40 (not a
+     * multiple of 16) and every fp32 call keep the warp kernel. */
+    const int prefill_dims[][2] = {{4, 64}, {3, 80}, {2, 128}, {2, 40}};
+    for (int b = 0; b < 3; b++)
+        for (int d = 0; d < 4; d++)
+            attention_case(p, "prefill", attn_prefill, NSEQ(attn_prefill), block_sizes[b],
+                           prefill_dims[d][0], prefill_dims[d][1], 0);
+    for (int b = 0; b < 3; b++) {
+        attention_case(p, "decode", attn_decode, NSEQ(attn_decode), block_sizes[b], 3, 64, 0);
+        attention_case(p, "decode", attn_decode, NSEQ(attn_decode), block_sizes[b], 1, 128, 0);
+    }
+    attention_case(p, "prompt", attn_long, NSEQ(attn_long), 16, 12, 64, 20);
 }
 
 /* ---- errors ---- */
