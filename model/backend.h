@@ -99,6 +99,14 @@ struct pd_backend {
     /* ids[r] = the index of the largest of x[r, 0..n) (the lowest such index
      * on ties, like the host sampler's greedy pick); ids: device int32. */
     void (*argmax)(pd_backend *be, int32_t *ids, const void *x, int rows, int n);
+    /* ids[r] = a token drawn from row r of x [rows, n] the way model/sampler.c
+     * draws without penalties: params (device floats, 5 per row) are
+     * temperature (< 1e-5: the argmax), top_p (1: off), min_p (0: off),
+     * top_k (<= 0: off) and u, a uniform draw in [0, 1) from the request's
+     * RNG; the token is the first id, in id order over the kept tokens, whose
+     * running weight exceeds u times their total. */
+    void (*sample)(pd_backend *be, int32_t *ids, const void *x, int rows, int n,
+                   const float *params);
     /* Queue a host-to-device copy without waiting. src must stay unchanged
      * until the next sync or download (the copy is ordered before later ops). */
     int (*copy_h2d_async)(pd_backend *be, void *dst, const void *src, size_t bytes, pd_err *err);

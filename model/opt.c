@@ -31,7 +31,8 @@ typedef struct opt_scratch {
     void *last;         /* [n_logits, max(h, w)] rows that want logits */
     void *last_w;       /* [n_logits, w] after project_out */
     void *logits;       /* [n_logits, V] */
-    int32_t *ids;       /* [n_logits] greedy picks (device) */
+    int32_t *ids;       /* [n_logits] greedy picks or draws (device) */
+    float *sample_dev;  /* [n_logits, 5] sampling parameters (device) */
     void *meta_dev;     /* int32 [cap_meta] */
     int32_t *meta_host; /* host staging for the same */
 } opt_scratch;
@@ -284,7 +285,8 @@ int opt_model_create(const opt_config *cfg, const opt_weights *w, pd_backend *be
 
 static void scratch_free(pd_backend *be, opt_scratch *s) {
     void **dev[] = {&s->x,      &s->a,      &s->qkv,    &s->attn,        &s->ffn,   &s->emb,
-                    &s->last,   &s->last_w, &s->logits, (void **)&s->ids, &s->meta_dev};
+                    &s->last,   &s->last_w, &s->logits, (void **)&s->ids, &s->meta_dev,
+                    (void **)&s->sample_dev};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) {
         be->free(be, *dev[i]);
         *dev[i] = NULL;
@@ -393,10 +395,11 @@ static int scratch_reserve(opt_model *m, int T, int n_logits, int n_meta, pd_err
     }
     if (n_logits > s->cap_logits) {
         int cap = n_logits > 2 * s->cap_logits ? n_logits : 2 * s->cap_logits;
-        void **dev[] = {&s->last, &s->last_w, &s->logits, (void **)&s->ids};
+        void **dev[] = {&s->last, &s->last_w, &s->logits, (void **)&s->ids,
+                        (void **)&s->sample_dev};
         size_t bytes[] = {(h > wd ? h : wd) * es, wd * es, (size_t)c->vocab_size * es,
-                          sizeof(int32_t)};
-        for (int i = 0; i < 4; i++) {
+                          sizeof(int32_t), 5 * sizeof(float)};
+        for (int i = 0; i < 5; i++) {
             be->free(be, *dev[i]);
             *dev[i] = be->alloc(be, (size_t)cap * bytes[i], err);
             if (!*dev[i]) {
@@ -610,16 +613,25 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
     if (be->argmax) be->argmax(be, s->ids, s->logits, n_logits, c->vocab_size);
 }
 
-/* Copy the step's results out: logits rows and/or greedy picks. */
-static int read_outputs(opt_model *m, int n_logits, float *logits, int32_t *ids, pd_err *err) {
+/* Copy the step's results out: logits rows and/or picks (greedy, or drawn
+ * on the device with sample_params). */
+static int read_outputs(opt_model *m, int n_logits, float *logits, int32_t *ids,
+                        const float *sample_params, pd_err *err) {
     pd_backend *be = m->be;
     const int V = m->cfg.vocab_size;
     if (n_logits == 0) return be->sync(be, err);
+    if (ids && sample_params) {
+        if (!be->sample) return pd_fail(err, "opt forward: the %s backend cannot sample", be->name);
+        if (copy_meta(be, m->s.sample_dev, sample_params, sizeof(float) * 5 * (size_t)n_logits,
+                      err) != 0)
+            return pd_wrap(err, "opt forward: sampling parameters");
+        be->sample(be, m->s.ids, m->s.logits, n_logits, V, m->s.sample_dev);
+    }
     if (logits &&
         be->download_f32(be, logits, m->s.logits, (size_t)n_logits * V, err) != 0)
         return pd_wrap(err, "opt forward: logits");
     if (!ids) return 0;
-    if (be->argmax) {
+    if (be->argmax || sample_params) {
         if (be->copy_d2h(be, ids, m->s.ids, sizeof(int32_t) * (size_t)n_logits, err) != 0)
             return pd_wrap(err, "opt forward: sampled ids");
         return 0;
@@ -704,6 +716,10 @@ int opt_model_set_graphs(opt_model *m, bool enable, int max_batch, pd_err *err) 
                            graph_size_at(graph_index_for(max_batch)), 1, err);
 }
 
+bool opt_model_samples_on_device(const opt_model *m) {
+    return m->be->sample != NULL;
+}
+
 int opt_model_graph_stats(const opt_model *m, int *captures, int *replays) {
     if (captures) *captures = m->g.captures;
     if (replays) *replays = m->g.replays;
@@ -774,7 +790,7 @@ static size_t graph_meta_entries(int B, int MB) {
 
 /* Run a decode step through its recording (recording it first if needed). */
 static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
-                         float *logits, int32_t *ids, pd_err *err) {
+                         float *logits, int32_t *ids, const float *sample_params, pd_err *err) {
     pd_backend *be = m->be;
     opt_graphs *g = &m->g;
     const int idx = graph_index_for(n_seqs), B = graph_size_at(idx);
@@ -812,17 +828,17 @@ static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *s
     }
     if (be->graph_launch(be, g->exec[idx], err) != 0) return -1;
     g->replays++;
-    return read_outputs(m, n_seqs, logits, ids, err);
+    return read_outputs(m, n_seqs, logits, ids, sample_params, err);
 }
 
 int opt_forward_ex(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
-                   float *logits, int32_t *ids, pd_err *err) {
+                   float *logits, int32_t *ids, const float *sample_params, pd_err *err) {
     int T = 0, n_logits = 0, max_blocks = 0;
     if (validate_step(m, kv, seqs, n_seqs, logits || ids, &T, &n_logits, &max_blocks, err) != 0)
         return -1;
     if (T == 0) return 0;
     if (graph_step_fits(m, seqs, n_seqs)) {
-        if (graph_forward(m, kv, seqs, n_seqs, logits, ids, err) == 0) return 0;
+        if (graph_forward(m, kv, seqs, n_seqs, logits, ids, sample_params, err) == 0) return 0;
         /* A backend that cannot record this step still runs it eagerly. */
         pd_log(PD_LOG_WARN, "opt: decode graphs turned off: %s", err->msg);
         graphs_free(m);
@@ -835,10 +851,10 @@ int opt_forward_ex(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, i
     if (upload_meta(m, kv, seqs, n_seqs, T, n_logits, max_blocks, &meta, &logit_rows, err) != 0)
         return -1;
     forward_ops(m, kv, &meta, n_logits, logit_rows);
-    return read_outputs(m, n_logits, logits, ids, err);
+    return read_outputs(m, n_logits, logits, ids, sample_params, err);
 }
 
 int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
                 float *logits, pd_err *err) {
-    return opt_forward_ex(m, kv, seqs, n_seqs, logits, NULL, err);
+    return opt_forward_ex(m, kv, seqs, n_seqs, logits, NULL, NULL, err);
 }

@@ -58,11 +58,15 @@ typedef struct opt_seq_step {
  * with want_logits, in order (host memory, fp32). */
 int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
                 float *logits, pd_err *err);
-/* Like opt_forward; logits may be NULL, and ids (when not NULL) receives the
- * greedy pick of each logits row (computed on the device where the backend
- * can, so a greedy step moves only ids to the host). */
+/* Like opt_forward; logits may be NULL, and ids (when not NULL) receives a
+ * token for each logits row, made on the device where the backend can so
+ * that only ids reach the host: the greedy pick, or, with sample_params
+ * (host floats, 5 per row: temperature, top_p, min_p, top_k, u — see the
+ * sample op in backend.h; only when opt_model_samples_on_device), a draw. */
 int opt_forward_ex(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
-                   float *logits, int32_t *ids, pd_err *err);
+                   float *logits, int32_t *ids, const float *sample_params, pd_err *err);
+/* Whether the backend draws tokens itself (sample_params of opt_forward_ex). */
+bool opt_model_samples_on_device(const opt_model *m);
 
 /* Decode steps (one new token for each of up to max_batch sequences, every
  * one wanting logits) replayed from graphs recorded per padded batch size

@@ -562,6 +562,22 @@ bool sampler_is_plain_greedy(const sampler *s) {
            s->p.frequency_penalty == 0.0f;
 }
 
+bool sampler_has_penalties(const sampler *s) {
+    return s->p.repetition_penalty != 1.0f || s->p.presence_penalty != 0.0f ||
+           s->p.frequency_penalty != 0.0f;
+}
+
+void sampler_device_params(sampler *s, float out[5]) {
+    out[0] = is_greedy(s) ? 0.0f : s->p.temperature;
+    out[1] = s->p.top_p;
+    out[2] = s->p.min_p;
+    out[3] = s->p.top_k >= 1 ? (float)s->p.top_k : 0.0f;
+    /* The same one draw per token as sample_token, so a seeded request
+     * consumes its RNG alike on either path. */
+    out[4] = is_greedy(s) ? 0.0f : (float)rng_uniform(s->rng);
+    if (out[4] >= 1.0f) out[4] = 0x1.fffffep-1f; /* the double rounded up to 1 */
+}
+
 void sampler_record(sampler *s, int32_t id) {
     history_add_output(s, id);
 }

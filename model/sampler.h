@@ -55,6 +55,13 @@ int sampler_probs(sampler *s, float *logits, float *probs);
 /* Greedy with no penalty: the pick is the logits' argmax, which a GPU can
  * make itself (the caller then reports it with sampler_record). */
 bool sampler_is_plain_greedy(const sampler *s);
+/* Repetition, presence or frequency penalty set (they need the host). */
+bool sampler_has_penalties(const sampler *s);
+/* The five floats of the device sample op (model/backend.h): temperature
+ * (0 when greedy), top_p, min_p, top_k (0: off) and u, drawn here from the
+ * request's RNG exactly as a host draw would be. For samplers without
+ * penalties; the caller reports the device's token with sampler_record. */
+void sampler_device_params(sampler *s, float out[5]);
 /* Record a token chosen outside the sampler as output history. */
 void sampler_record(sampler *s, int32_t id);
 

@@ -199,13 +199,13 @@ static int bench_device(const bench_opts *o, const char *model_arg) {
     int32_t pick = 0;
     /* Warm-up: library handles, kernel loading, the decode graph's recording. */
     opt_seq_step warm = {ids, o->prompt_len < 16 ? o->prompt_len : 16, 0, table, n_blocks, true};
-    if (opt_forward_ex(m, kv, &warm, 1, NULL, &pick, &err) != 0) goto fail;
+    if (opt_forward_ex(m, kv, &warm, 1, NULL, &pick, NULL, &err) != 0) goto fail;
     opt_seq_step wd = {ids + warm.n_tokens, 1, warm.n_tokens, table, n_blocks, true};
-    if (opt_forward_ex(m, kv, &wd, 1, NULL, &pick, &err) != 0) goto fail;
+    if (opt_forward_ex(m, kv, &wd, 1, NULL, &pick, NULL, &err) != 0) goto fail;
     for (int r = 0; r < o->repeat; r++) {
         double t0 = pd_now();
         opt_seq_step st = {ids, o->prompt_len, 0, table, n_blocks, true};
-        if (opt_forward_ex(m, kv, &st, 1, NULL, &pick, &err) != 0) goto fail;
+        if (opt_forward_ex(m, kv, &st, 1, NULL, &pick, NULL, &err) != 0) goto fail;
         runs[r] = pd_now() - t0;
     }
     qsort(runs, (size_t)o->repeat, sizeof *runs, cmp_double);
@@ -214,7 +214,7 @@ static int bench_device(const bench_opts *o, const char *model_arg) {
         double t0 = pd_now();
         for (int s = 0; s < o->decode_tokens; s++) {
             opt_seq_step d = {ids + o->prompt_len + s, 1, o->prompt_len + s, table, n_blocks, true};
-            if (opt_forward_ex(m, kv, &d, 1, NULL, &pick, &err) != 0) goto fail;
+            if (opt_forward_ex(m, kv, &d, 1, NULL, &pick, NULL, &err) != 0) goto fail;
         }
         t_decode = (pd_now() - t0) / o->decode_tokens;
     }

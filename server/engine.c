@@ -68,7 +68,8 @@ struct engine {
 
     /* Step buffers, owned by the engine thread. */
     float *logits;
-    int32_t *ids; /* greedy picks made on the device, one per logits row */
+    int32_t *ids;         /* tokens made on the device, one per logits row */
+    float *sample_params; /* their sampling parameters, 5 per row */
     int logits_rows;
 };
 
@@ -347,12 +348,14 @@ static finish_reason engine_sample(engine *e, engine_seq *s, float *row) {
     return engine_accept(e, s, id, lp, top_ids, top_lps);
 }
 
-/* The sequence's next token is the plain argmax of its logits: greedy, no
- * penalties, no logprobs, and no token masked for min_tokens. Then the
- * device's pick is the sampler's, and no logits need to leave the device. */
-static bool engine_pick_is_argmax(const engine *e, const engine_seq *s) {
+/* The sequence's next token can be made on the device: no logprobs, no
+ * penalties and no token masked for min_tokens (the host sampler's extra
+ * steps); greedy means the argmax, otherwise the device's draw with the
+ * same parameters. Then no logits need to leave the device. */
+static bool engine_pick_on_device(const engine *e, const engine_seq *s, bool can_sample) {
     const engine_request_params *p = &s->params;
-    if (p->logprobs >= 0 || !sampler_is_plain_greedy(s->smp)) return false;
+    if (p->logprobs >= 0 || sampler_has_penalties(s->smp)) return false;
+    if (!can_sample && !sampler_is_plain_greedy(s->smp)) return false;
     const bool masks = (!p->ignore_eos && e->eos_id >= 0) || p->n_stop_token_ids > 0;
     return !masks || s->n_tokens - s->n_prompt >= p->min_tokens;
 }
@@ -413,19 +416,30 @@ static void engine_step(engine *e, sched_batch *b) {
         if (nl) e->logits = nl;
         int32_t *ni = nl ? realloc(e->ids, sizeof(int32_t) * (size_t)rows) : NULL;
         if (ni) e->ids = ni;
-        if (!nl || !ni) {
+        float *np = ni ? realloc(e->sample_params, sizeof(float) * 5 * (size_t)rows) : NULL;
+        if (np) e->sample_params = np;
+        if (!nl || !ni || !np) {
             pd_fail(&err, "out of memory for logits");
             for (int i = 0; i < b->n; i++) scheduler_finish(e->sched, b->seqs[i], FINISH_ERROR, err.msg);
             return;
         }
         e->logits_rows = rows;
     }
-    /* A step whose every pick is an argmax fetches only the ids. */
-    bool argmax_only = rows > 0;
-    for (int i = 0; i < b->n && argmax_only; i++)
-        if (b->steps[i].want_logits && !engine_pick_is_argmax(e, b->seqs[i])) argmax_only = false;
-    if (opt_forward_ex(e->model, e->kv, b->steps, b->n, argmax_only ? NULL : e->logits, argmax_only ? e->ids : NULL,
-                       &err) != 0) {
+    /* A step whose every pick can be made on the device fetches only ids:
+     * argmaxes, or draws with per-row parameters when any row samples. */
+    const bool can_sample = opt_model_samples_on_device(e->model) && !e->cfg.host_sampling;
+    bool ids_only = rows > 0, all_greedy = true;
+    for (int i = 0; i < b->n && ids_only; i++) {
+        if (!b->steps[i].want_logits) continue;
+        if (!engine_pick_on_device(e, b->seqs[i], can_sample)) ids_only = false;
+        if (!sampler_is_plain_greedy(b->seqs[i]->smp)) all_greedy = false;
+    }
+    const bool device_draw = ids_only && !all_greedy;
+    if (device_draw)
+        for (int i = 0, r = 0; i < b->n; i++)
+            if (b->steps[i].want_logits) sampler_device_params(b->seqs[i]->smp, e->sample_params + 5 * (size_t)r++);
+    if (opt_forward_ex(e->model, e->kv, b->steps, b->n, ids_only ? NULL : e->logits, ids_only ? e->ids : NULL,
+                       device_draw ? e->sample_params : NULL, &err) != 0) {
         pd_log(PD_LOG_ERROR, "forward pass failed: %s", err.msg);
         for (int i = 0; i < b->n; i++) scheduler_finish(e->sched, b->seqs[i], FINISH_ERROR, err.msg);
         return;
@@ -457,7 +471,7 @@ static void engine_step(engine *e, sched_batch *b) {
         }
         if (!st->want_logits) continue;
         finish_reason r;
-        if (argmax_only) {
+        if (ids_only) {
             sampler_record(s->smp, e->ids[row]);
             r = engine_accept(e, s, e->ids[row++], 0, NULL, NULL);
         } else {
@@ -603,6 +617,7 @@ void engine_destroy(engine *e) {
     tokenizer_free(e->tok);
     free(e->logits);
     free(e->ids);
+    free(e->sample_params);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);

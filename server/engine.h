@@ -40,6 +40,7 @@ typedef struct engine_config {
     const char *backend;        /* pd_backend_create name: "cpu", "cuda", "cuda-fp16"...; NULL: cpu */
     int max_waiting;            /* waiting-queue bound; beyond it submit says "busy" */
     bool enforce_eager;         /* no decode graphs even where the backend has them */
+    bool host_sampling;         /* draw sampled tokens on the host even on a GPU */
     const kv_transfer_config *kv_transfer; /* NULL: colocated; else prefill/decode role */
     int http_port;              /* advertised to the proxy */
 } engine_config;

@@ -54,6 +54,8 @@ static const cli_option serve_table[] = {
     {"log-level", CLI_STR, O(log_level), "info", 1, 0, "debug, info, warning, error"},
     {"enforce-eager", CLI_BOOL, O(enforce_eager), "false", 1, 0,
      "no CUDA graphs for decode steps (the CPU is always eager)"},
+    {"host-sampling", CLI_BOOL, O(host_sampling), "false", 1, 0,
+     "GPU: copy logits to the host and draw there instead of on the GPU"},
     {"help", CLI_BOOL, O(help), "false", 1, 0, "show this help"},
     /* ignored */
     {"gpu-memory-utilization", CLI_FLOAT, O(gpu_memory_utilization), "0.9", 1e-6, 1,
@@ -241,6 +243,7 @@ void serve_options_to_engine(const serve_options *o, const char *model_dir, engi
     c->backend = o->backend;
     c->max_waiting = o->max_waiting;
     c->enforce_eager = o->enforce_eager != 0;
+    c->host_sampling = o->host_sampling != 0;
     c->kv_transfer = o->kv_transfer_config ? &o->kv_cfg : NULL;
     c->http_port = o->port;
 }

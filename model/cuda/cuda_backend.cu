@@ -295,6 +295,14 @@ static void cu_argmax(pd_backend *be, int32_t *ids, const void *x, int rows, int
     cu_check_launch(c, "argmax");
 }
 
+static void cu_sample(pd_backend *be, int32_t *ids, const void *x, int rows, int n,
+                      const float *params) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cuda_sample(c->stream, be->dtype, ids, x, rows, n, params);
+    cu_check_launch(c, "sample");
+}
+
 static int cu_copy_h2d_async(pd_backend *be, void *dst, const void *src, size_t bytes,
                              pd_err *err) {
     cuda_ctx *c = ctx_of(be);
@@ -522,6 +530,7 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->kv_write = cu_kv_write;
     be->paged_attention = cu_paged_attention;
     be->argmax = cu_argmax;
+    be->sample = cu_sample;
     be->copy_h2d_async = cu_copy_h2d_async;
     be->copy_d2d = cu_copy_d2d;
     be->graph_begin = cu_graph_begin;

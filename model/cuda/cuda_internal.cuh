@@ -116,5 +116,9 @@ bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q
 
 /* ids[r] = index of the largest of row r of x [rows, n] (lowest on ties). */
 void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n);
+/* ids[r] = a token drawn from row r of x with params[5 r ..]: temperature,
+ * top_p, min_p, top_k, u (see cuda_sample.cu; backend.h's sample op). */
+void cuda_sample(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n,
+                 const float *params);
 
 #endif

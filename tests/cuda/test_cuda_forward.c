@@ -170,7 +170,7 @@ static void run_graphs(rig *r) {
             int32_t ids[MAX_SEQS];
             CHECKF(opt_forward(r->cpu.m, r->cpu.kv, steps, B, lc, &err) == 0, "cpu %s: %s", what,
                    err.msg);
-            CHECKF(opt_forward_ex(r->gpu.m, r->gpu.kv, steps, B, lg, ids, &err) == 0, "%s %s: %s",
+            CHECKF(opt_forward_ex(r->gpu.m, r->gpu.kv, steps, B, lg, ids, NULL, &err) == 0, "%s %s: %s",
                    r->variant, what, err.msg);
             for (int q = 0; q < B; q++) {
                 const float *c = lc + (size_t)q * r->V, *g = lg + (size_t)q * r->V;

@@ -27,6 +27,7 @@
 
 #include "common/pd_common.h"
 #include "model/backend.h"
+#include "model/sampler.h"
 #include "tests/common/testlib.h"
 
 #ifdef PDSERVE_HAVE_CUDA
@@ -431,6 +432,93 @@ static void test_errors(void) {
     pd_backend_destroy(be);
 }
 
+/* ---- token choice: argmax and the sample op against model/sampler.c ----
+ * For each parameter set and each u of a grid, the device's token must be
+ * the one the host sampler's distribution (sampler_probs, on the very
+ * logits the device holds) gives to u: the first id whose running
+ * probability exceeds u. A u within 1e-4 of a boundary may go either way
+ * (fp32 sums on the device, double on the host) and is only counted. */
+#define SMP_US 48
+static void test_sampling(const pair *p) {
+    const int V = 5000;
+    const float cfg[][4] = {/* temperature, top_p, min_p, top_k */
+                            {1.0f, 1.0f, 0.0f, 0},  {0.7f, 1.0f, 0.0f, 0},  {1.0f, 1.0f, 0.0f, 1},
+                            {1.0f, 1.0f, 0.0f, 40}, {1.3f, 0.9f, 0.0f, 0},  {1.0f, 0.5f, 0.05f, 50},
+                            {0.0f, 1.0f, 0.0f, 0},  {2.0f, 0.95f, 0.0f, 7}, {1.0f, 1.0f, 0.2f, 0}};
+    const int n_cfg = (int)(sizeof cfg / sizeof cfg[0]), rows = n_cfg * SMP_US;
+    float *logit_row = rand_vec((size_t)V, -4, 4);
+    for (int i = 0; i < 30; i++) logit_row[urand() % V] += 6; /* a head of likely tokens */
+    logit_row[17] = logit_row[4000] = 9.5f;                   /* an exact tie at the top */
+    float *all = malloc(sizeof(float) * (size_t)rows * V), *params = malloc(sizeof(float) * 5 * rows);
+    for (int r = 0; r < rows; r++) memcpy(all + (size_t)r * V, logit_row, sizeof(float) * V);
+    for (int c = 0; c < n_cfg; c++)
+        for (int k = 0; k < SMP_US; k++) {
+            float *q = params + 5 * (c * SMP_US + k);
+            q[0] = cfg[c][0], q[1] = cfg[c][1], q[2] = cfg[c][2], q[3] = cfg[c][3];
+            q[4] = (k + 0.5f) / SMP_US;
+        }
+    pd_backend *g = p->gpu;
+    pd_err err;
+    void *dx = up_f32(g, all, (size_t)rows * V);
+    float *dparams = g->alloc(g, sizeof(float) * 5 * rows, &err);
+    int32_t *dids = g->alloc(g, sizeof(int32_t) * rows, &err);
+    int32_t *ids = malloc(sizeof(int32_t) * rows), *amax = malloc(sizeof(int32_t) * rows);
+    CHECK(g->copy_h2d(g, dparams, params, sizeof(float) * 5 * rows, &err) == 0);
+    g->argmax(g, dids, dx, rows, V);
+    CHECK(g->copy_d2h(g, amax, dids, sizeof(int32_t) * rows, &err) == 0);
+    g->sample(g, dids, dx, rows, V, dparams);
+    CHECKF(g->copy_d2h(g, ids, dids, sizeof(int32_t) * rows, &err) == 0, "%s", err.msg);
+    float *dev_logits = down(g, dx, (size_t)V); /* what the device sampled from */
+    float *probs = malloc(sizeof(float) * V), *work = malloc(sizeof(float) * V);
+    int near = 0, wrong = 0;
+    int host_best = 0;
+    for (int i = 1; i < V; i++) if (dev_logits[i] > dev_logits[host_best]) host_best = i;
+    CHECKF(amax[0] == host_best, "%s argmax %d, host %d (tie at 17 and 4000: lowest wins)", p->variant,
+           amax[0], host_best);
+    for (int c = 0; c < n_cfg; c++) {
+        sampling_params sp;
+        sampling_params_default(&sp);
+        sp.temperature = cfg[c][0], sp.top_p = cfg[c][1], sp.min_p = cfg[c][2];
+        sp.top_k = (int)cfg[c][3];
+        sampler *smp = sampler_create(&sp, V, 1);
+        memcpy(work, dev_logits, sizeof(float) * V);
+        CHECK(smp && sampler_probs(smp, work, probs) == 0);
+        double total = 0;
+        for (int i = 0; i < V; i++) total += probs[i];
+        for (int k = 0; k < SMP_US; k++) {
+            const double u = ((k + 0.5f) / SMP_US) * total;
+            double acc = 0, gap = 1e30;
+            int want = -1;
+            for (int i = 0; i < V; i++) {
+                if (probs[i] <= 0) continue;
+                acc += probs[i];
+                if (fabs(acc - u) < gap) gap = fabs(acc - u);
+                if (want < 0 && u < acc) want = i;
+            }
+            const int got = ids[c * SMP_US + k];
+            if (got == want) continue;
+            if (gap < 1e-4 * total) near++;
+            else wrong++;
+            if (wrong > 0 && wrong < 4)
+                CHECKF(0, "%s sample cfg %d (t %.2g top_p %.2g min_p %.2g top_k %d) u %.3f: device %d "
+                       "(p %.3g), host %d (p %.3g)",
+                       p->variant, c, cfg[c][0], cfg[c][1], cfg[c][2], (int)cfg[c][3],
+                       (k + 0.5) / SMP_US, got, got >= 0 && got < V ? probs[got] : -1.0, want,
+                       want >= 0 ? probs[want] : -1.0);
+        }
+        sampler_free(smp);
+    }
+    CHECKF(wrong == 0, "%s sample: %d of %d draws differ from the host distribution", p->variant,
+           wrong, rows);
+    printf("%s sample: %d draws match the host sampler (%d within 1e-4 of a boundary went the "
+           "other way)\n", p->variant, rows - near, near);
+    g->free(g, dx);
+    g->free(g, dparams);
+    g->free(g, dids);
+    free(logit_row), free(all), free(params), free(ids), free(amax), free(dev_logits), free(probs),
+        free(work);
+}
+
 static void run_variant(const char *variant, double tol) {
     pair p = {.variant = variant, .tol = tol};
     pd_err err;
@@ -442,6 +530,7 @@ static void run_variant(const char *variant, double tol) {
         test_elementwise(&p);
         test_rows(&p);
         test_attention(&p);
+        test_sampling(&p);
     }
     pd_backend_destroy(p.gpu);
     pd_backend_destroy(p.cpu);
