@@ -12,17 +12,25 @@
 #include "model/opt.h"
 #include "server/cli.h"
 #include "server/commands.h"
+#include "server/device_options.h"
 
 typedef struct bench_opts {
     int prompt_len, decode_tokens, threads, help;
-    const char *backend;
+    const char *backend, *device, *dtype;
+    char device_name[24]; /* --device with auto resolved */
 } bench_opts;
 
 static const cli_option bench_table[] = {
     {"prompt-len", CLI_INT, offsetof(bench_opts, prompt_len), "512", 1, 1 << 20, "prefill length (tokens)"},
     {"decode-tokens", CLI_INT, offsetof(bench_opts, decode_tokens), "64", 1, 1 << 20, "batch-1 decode steps"},
     {"threads", CLI_INT, offsetof(bench_opts, threads), "0", 0, 1024, "CPU threads (0: one per core)"},
-    {"backend", CLI_STR, offsetof(bench_opts, backend), "cpu", 1, 0, "cpu, cuda, cuda-fp16 or cuda-bf16 (cuda...:N picks device N)"},
+    {"device", CLI_STR, offsetof(bench_opts, device), "cpu", 1, 0,
+     "cpu, cuda (cuda:N for device N), auto (cuda when a GPU is visible, else cpu)"},
+    {"dtype", CLI_STR, offsetof(bench_opts, dtype), "auto", 1, 0,
+     "auto, half, float16, bfloat16, float, float32 (as for serve)"},
+    {"backend", CLI_STR, offsetof(bench_opts, backend), NULL, 1, 0,
+     "instead of --device/--dtype, a backend by name: cpu, cuda, cuda-fp16 or cuda-bf16 "
+     "(cuda...:N picks device N)"},
     {"help", CLI_BOOL, offsetof(bench_opts, help), "false", 1, 0, "show this help"},
 };
 
@@ -138,7 +146,10 @@ int cmd_bench_cpu(int argc, char **argv) {
     int n_pos;
     pd_err err = {{0}};
     int n_table = (int)(sizeof bench_table / sizeof bench_table[0]);
-    if (cli_parse(bench_table, n_table, &o, argc, argv, pos, 1, &n_pos, NULL, &err) != 0) {
+    uint64_t given = 0;
+    if (cli_parse(bench_table, n_table, &o, argc, argv, pos, 1, &n_pos, &given, &err) != 0 ||
+        device_flags_for_command(bench_table, n_table, given, o.backend, o.device, o.dtype,
+                                 o.device_name, sizeof o.device_name, &err) != 0) {
         fprintf(stderr, "pdserve bench-cpu: %s\n", err.msg);
         return 2;
     }
@@ -164,7 +175,11 @@ int cmd_bench_cpu(int argc, char **argv) {
     float *logits = NULL;
     if (!ids || !table) goto out;
     if (resolve_model_arg(n_pos ? pos[0] : NULL, &dir, &err) != 0) goto fail;
-    if (pd_backend_create(o.backend, n_threads, &be, &err) != 0) goto fail;
+    char backend[48];
+    if (device_backend_for_model(o.backend, o.device_name, o.dtype, dir, backend, sizeof backend,
+                                 &err) != 0 ||
+        pd_backend_create(backend, n_threads, &be, &err) != 0)
+        goto fail;
     if (opt_model_load(dir, be, &m, &err) != 0) goto fail;
     const opt_config *c = opt_model_config(m);
     if (total > c->max_position_embeddings) {
@@ -204,7 +219,7 @@ int cmd_bench_cpu(int argc, char **argv) {
     double prefill_flops = (o.prompt_len * (2 * layer_params + attn_flops) + 2 * embed) / t_prefill;
     printf("model: %s (%d layers, hidden %d), %.1f MB of %s weights on %s\n", dir, c->num_hidden_layers,
            c->hidden_size, wbytes / 1e6, pd_dtype_name(be->dtype), be->name);
-    if (strncmp(o.backend, "cpu", 3) != 0) {
+    if (strncmp(backend, "cpu", 3) != 0) {
         /* The machine figures above are the host's; a GPU is measured elsewhere. */
         printf("prefill: %d tokens in %.4f s = %.1f tok/s\ndecode (batch 1): %.3f ms/token = %.1f tok/s\n",
                o.prompt_len, t_prefill, prefill_tps, t_decode * 1e3, 1 / t_decode);
