@@ -3,7 +3,7 @@
  * length checks, stop strings and hold-back (against a brute-force
  * reference), UTF-8 boundaries, response / SSE / error JSON (parsed back
  * with cJSON), logprobs objects, Prometheus histograms (against counts
- * computed here) and the `pdserve serve` flags.
+ * computed here), the `pdserve serve` flags and the --device / --dtype rule.
  *
  * The server sources are not in pdcore (they belong to the pdserve
  * program), so the ones under test are compiled into this test directly. */
