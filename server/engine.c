@@ -498,12 +498,13 @@ static void *engine_loop(void *arg) {
  * staging buffers have their steady-state size, so the memory measured next
  * is what serving needs besides the KV cache. (Step metadata grows with the
  * block tables later, a few bytes per block: within the headroom.) */
-static int engine_profile_step(engine *e, pd_err *err) {
+static int engine_profile_step(engine *e, long *tokens_out, pd_err *err) {
     const engine_config *c = &e->cfg;
     const int bs = c->block_size;
     long T = c->max_num_batched_tokens;
     if (T > (long)c->max_num_seqs * e->max_model_len) T = (long)c->max_num_seqs * e->max_model_len;
     const int n_seqs = c->max_num_seqs < T ? c->max_num_seqs : (int)T;
+    *tokens_out = T;
     long n_blocks = 0;
     for (int i = 0; i < n_seqs; i++) {
         long n = T / n_seqs + (i < T % n_seqs);
@@ -565,7 +566,8 @@ static int engine_load_and_size(engine *e, kv_sizing *ks, pd_err *err) {
         if (kv_sizing_check_start(cfg->gpu_memory_utilization, dev.total, dev.free_at_start, err) != 0)
             return -1;
     }
-    if (opt_model_load(cfg->model_dir, e->be, &e->model, err) != 0) return -1;
+    if (opt_model_load(cfg->model_dir, e->be, &e->model, err) != 0)
+        return rq.dev ? pd_wrap(err, "loading the weights onto %s", e->be->name) : -1;
     const opt_config *mc = opt_model_config(e->model);
     e->vocab = mc->vocab_size;
     e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_position_embeddings;
@@ -579,17 +581,18 @@ static int engine_load_and_size(engine *e, kv_sizing *ks, pd_err *err) {
         if (kv_sizing_check_weights(cfg->gpu_memory_utilization, dev.total, dev.weight_bytes, err) != 0)
             return -1;
         double t0 = pd_now();
-        if (engine_profile_step(e, err) != 0) return -1;
+        long profiled = 0;
+        if (engine_profile_step(e, &profiled, err) != 0) return -1;
         size_t total = 0;
         if (e->be->mem_info(e->be, &dev.free_after_profile, &total, err) != 0) return -1;
         pd_log(PD_LOG_INFO,
-               "memory profile: %.2f GiB weights, %.2f GiB in use by this instance after a step of %d "
+               "memory profile: %.2f GiB weights, %.2f GiB in use by this instance after a step of %ld "
                "tokens (%.2f s); %.2f GiB of %.2f GiB free on the device",
                dev.weight_bytes / 1073741824.0,
                dev.free_at_start > dev.free_after_profile
                    ? (dev.free_at_start - dev.free_after_profile) / 1073741824.0
                    : 0.0,
-               cfg->max_num_batched_tokens, pd_now() - t0, dev.free_after_profile / 1073741824.0,
+               profiled, pd_now() - t0, dev.free_after_profile / 1073741824.0,
                dev.total / 1073741824.0);
     }
     return kv_sizing_compute(&rq, ks, err);
