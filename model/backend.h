@@ -62,6 +62,10 @@ struct pd_backend {
     int (*upload_view)(pd_backend *be, void *dst, const pd_view *src, pd_err *err);
     /* Wait until queued work is done; report any deferred error. */
     int (*sync)(pd_backend *be, pd_err *err);
+    /* Free and total memory of the device (all processes' use counted), for
+     * sizing the KV cache from a fraction of the device. NULL when the
+     * backend's memory is the host's (the CPU backend). */
+    int (*mem_info)(pd_backend *be, size_t *free_bytes, size_t *total_bytes, pd_err *err);
 
     /* --- compute (x, y: [rows, dim] row-major, compute dtype) --- */
     /* y[T,out] = x[T,in] . W[out,in]^T (+ bias[out] when bias != NULL).

@@ -2,6 +2,7 @@
 #include "server/cli.h"
 
 #include <errno.h>
+#include <stdbool.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,6 +62,24 @@ static int set_value(const cli_option *o, void *dst, const char *text, pd_err *e
     return pd_fail(err, "--%s: bad option type", o->name);
 }
 
+/* The option an argument "--name[=value]" or "--no-name" names, or -1. */
+static int find_option(const cli_option *opts, int n_opts, const char *arg, int *negated) {
+    *negated = 0;
+    if (strncmp(arg, "--", 2) != 0 || arg[2] == 0) return -1;
+    const char *name = arg + 2;
+    const char *eq = strchr(name, '=');
+    size_t len = eq ? (size_t)(eq - name) : strlen(name);
+    for (int i = 0; i < n_opts; i++) {
+        if (name_matches(name, len, opts[i].name)) return i;
+        if (opts[i].type == CLI_BOOL && len > 3 && !strncmp(name, "no-", 3) &&
+            name_matches(name + 3, len - 3, opts[i].name)) {
+            *negated = 1;
+            return i;
+        }
+    }
+    return -1;
+}
+
 int cli_parse(const cli_option *opts, int n_opts, void *dst, int argc, char **argv,
               char **positional, int max_pos, int *n_pos, uint64_t *set_mask, pd_err *err) {
     *n_pos = 0;
@@ -79,15 +98,8 @@ int cli_parse(const cli_option *opts, int n_opts, void *dst, int argc, char **ar
         const char *name = arg + 2;
         const char *eq = strchr(name, '=');
         size_t len = eq ? (size_t)(eq - name) : strlen(name);
-        int found = -1, negated = 0;
-        for (int i = 0; i < n_opts && found < 0; i++) {
-            if (name_matches(name, len, opts[i].name)) found = i;
-            else if (opts[i].type == CLI_BOOL && len > 3 && !strncmp(name, "no-", 3) &&
-                     name_matches(name + 3, len - 3, opts[i].name)) {
-                found = i;
-                negated = 1;
-            }
-        }
+        int negated = 0;
+        int found = find_option(opts, n_opts, arg, &negated);
         if (found < 0) return pd_fail(err, "unknown flag --%.*s (see --help)", (int)len, name);
         const cli_option *o = &opts[found];
         const char *value;
@@ -107,8 +119,28 @@ int cli_parse(const cli_option *opts, int n_opts, void *dst, int argc, char **ar
     return 0;
 }
 
+void cli_split(const cli_option *opts, int n_opts, int argc, char **argv, char **mine,
+               int *n_mine, char **rest, int *n_rest) {
+    *n_mine = *n_rest = 0;
+    for (int a = 0; a < argc; a++) {
+        int negated;
+        int i = find_option(opts, n_opts, argv[a], &negated);
+        if (i < 0) {
+            rest[(*n_rest)++] = argv[a];
+            continue;
+        }
+        mine[(*n_mine)++] = argv[a];
+        bool has_value = strchr(argv[a], '=') != NULL || opts[i].type == CLI_BOOL;
+        if (!has_value && a + 1 < argc) mine[(*n_mine)++] = argv[++a];
+    }
+}
+
 void cli_print_help(const char *usage, const cli_option *opts, int n_opts) {
     printf("usage: %s\n\noptions:\n", usage);
+    cli_print_options(opts, n_opts);
+}
+
+void cli_print_options(const cli_option *opts, int n_opts) {
     static const char *type_names[] = {"INT", "NUM", "TEXT", "", "INT"};
     for (int i = 0; i < n_opts; i++) {
         char left[64];

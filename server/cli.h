@@ -30,5 +30,14 @@ int cli_parse(const cli_option *opts, int n_opts, void *dst, int argc, char **ar
               char **positional, int max_pos, int *n_pos, uint64_t *set_mask, pd_err *err);
 
 void cli_print_help(const char *usage, const cli_option *opts, int n_opts);
+/* The option lines of cli_print_help alone (for a second table). */
+void cli_print_options(const cli_option *opts, int n_opts);
+
+/* Split argv into the arguments that name an option of opts (each with its
+ * value when it takes one: `--name value` or `--name=value`) and the rest,
+ * both in their original order. mine and rest need room for argc entries.
+ * Lets one command parse part of its flags with another table. */
+void cli_split(const cli_option *opts, int n_opts, int argc, char **argv, char **mine,
+               int *n_mine, char **rest, int *n_rest);
 
 #endif

@@ -12,10 +12,12 @@
 #include "model/opt.h"
 #include "server/cli.h"
 #include "server/commands.h"
+#include "server/device_options.h"
 
 typedef struct bench_opts {
     int prompt_len, decode_tokens, threads, repeat, enforce_eager, help;
-    const char *backend;
+    const char *backend, *device, *dtype;
+    char device_name[24]; /* --device with auto resolved */
 } bench_opts;
 
 static const cli_option bench_table[] = {
@@ -24,7 +26,13 @@ static const cli_option bench_table[] = {
     {"repeat", CLI_INT, offsetof(bench_opts, repeat), "5", 1, 1000, "timed prefills on a GPU (the best and median are shown)"},
     {"enforce-eager", CLI_BOOL, offsetof(bench_opts, enforce_eager), "false", 1, 0, "GPU: decode without CUDA graphs"},
     {"threads", CLI_INT, offsetof(bench_opts, threads), "0", 0, 1024, "CPU threads (0: one per core)"},
-    {"backend", CLI_STR, offsetof(bench_opts, backend), "cpu", 1, 0, "cpu, cuda, cuda-fp16 or cuda-bf16 (cuda...:N picks device N)"},
+    {"device", CLI_STR, offsetof(bench_opts, device), "cpu", 1, 0,
+     "cpu, cuda (cuda:N for device N), auto (cuda when a GPU is visible, else cpu)"},
+    {"dtype", CLI_STR, offsetof(bench_opts, dtype), "auto", 1, 0,
+     "auto, half, float16, bfloat16, float, float32 (as for serve)"},
+    {"backend", CLI_STR, offsetof(bench_opts, backend), NULL, 1, 0,
+     "instead of --device/--dtype, a backend by name: cpu, cuda, cuda-fp16 or cuda-bf16 "
+     "(cuda...:N picks device N)"},
     {"help", CLI_BOOL, offsetof(bench_opts, help), "false", 1, 0, "show this help"},
 };
 
@@ -180,7 +188,10 @@ static int bench_device(const bench_opts *o, const char *model_arg) {
         goto fail;
     }
     if (resolve_model_arg(model_arg, &dir, &err) != 0) goto fail;
-    if (pd_backend_create(o->backend, 1, &be, &err) != 0) goto fail;
+    char backend[48];
+    if (device_backend_for_model(o->backend, o->device_name, o->dtype, dir, backend, sizeof backend, &err) != 0 ||
+        pd_backend_create(backend, 1, &be, &err) != 0)
+        goto fail;
     if (opt_model_load(dir, be, &m, &err) != 0) goto fail;
     const opt_config *c = opt_model_config(m);
     if (total > c->max_position_embeddings) {
@@ -252,7 +263,10 @@ int cmd_bench_cpu(int argc, char **argv) {
     int n_pos;
     pd_err err = {{0}};
     int n_table = (int)(sizeof bench_table / sizeof bench_table[0]);
-    if (cli_parse(bench_table, n_table, &o, argc, argv, pos, 1, &n_pos, NULL, &err) != 0) {
+    uint64_t given = 0;
+    if (cli_parse(bench_table, n_table, &o, argc, argv, pos, 1, &n_pos, &given, &err) != 0 ||
+        device_flags_for_command(bench_table, n_table, given, o.backend, o.device, o.dtype,
+                                 o.device_name, sizeof o.device_name, &err) != 0) {
         fprintf(stderr, "pdserve bench-cpu: %s\n", err.msg);
         return 2;
     }
@@ -260,7 +274,8 @@ int cmd_bench_cpu(int argc, char **argv) {
         cli_print_help("pdserve bench-cpu [MODEL] [options]", bench_table, n_table);
         return 0;
     }
-    if (strncmp(o.backend, "cpu", 3) != 0) return bench_device(&o, n_pos ? pos[0] : NULL);
+    const bool on_cpu = o.backend ? !strncmp(o.backend, "cpu", 3) : !strncmp(o.device_name, "cpu", 3);
+    if (!on_cpu) return bench_device(&o, n_pos ? pos[0] : NULL);
     if (o.decode_tokens < 1) {
         fprintf(stderr, "pdserve bench-cpu: --decode-tokens must be at least 1 on the CPU\n");
         return 2;
@@ -283,7 +298,11 @@ int cmd_bench_cpu(int argc, char **argv) {
     float *logits = NULL;
     if (!ids || !table) goto out;
     if (resolve_model_arg(n_pos ? pos[0] : NULL, &dir, &err) != 0) goto fail;
-    if (pd_backend_create(o.backend, n_threads, &be, &err) != 0) goto fail;
+    char backend[48];
+    if (device_backend_for_model(o.backend, o.device_name, o.dtype, dir, backend, sizeof backend,
+                                 &err) != 0 ||
+        pd_backend_create(backend, n_threads, &be, &err) != 0)
+        goto fail;
     if (opt_model_load(dir, be, &m, &err) != 0) goto fail;
     const opt_config *c = opt_model_config(m);
     if (total > c->max_position_embeddings) {

@@ -10,13 +10,15 @@
 #include "model/tokenizer.h"
 #include "server/cli.h"
 #include "server/commands.h"
+#include "server/device_options.h"
 
 typedef struct generate_opts {
     const char *prompt;
     int max_tokens, top_k, block_size, threads, chunk, ignore_eos, help;
     float temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty;
     uint64_t seed;
-    const char *log_level, *backend;
+    const char *log_level, *backend, *device, *dtype;
+    char device_name[24]; /* --device with auto resolved */
 } generate_opts;
 
 static const cli_option generate_table[] = {
@@ -36,7 +38,13 @@ static const cli_option generate_table[] = {
     {"max-num-batched-tokens", CLI_INT, offsetof(generate_opts, chunk), "2048", 1, 1 << 20,
      "prefill chunk size (tokens per forward pass)"},
     {"threads", CLI_INT, offsetof(generate_opts, threads), "0", 0, 1024, "CPU threads (0: one per core)"},
-    {"backend", CLI_STR, offsetof(generate_opts, backend), "cpu", 1, 0, "cpu, cuda, cuda-fp16 or cuda-bf16 (cuda...:N picks device N)"},
+    {"device", CLI_STR, offsetof(generate_opts, device), "cpu", 1, 0,
+     "cpu, cuda (cuda:N for device N), auto (cuda when a GPU is visible, else cpu)"},
+    {"dtype", CLI_STR, offsetof(generate_opts, dtype), "auto", 1, 0,
+     "auto, half, float16, bfloat16, float, float32 (as for serve)"},
+    {"backend", CLI_STR, offsetof(generate_opts, backend), NULL, 1, 0,
+     "instead of --device/--dtype, a backend by name: cpu, cuda, cuda-fp16 or cuda-bf16 "
+     "(cuda...:N picks device N)"},
     {"log-level", CLI_STR, offsetof(generate_opts, log_level), "info", 1, 0, "debug, info, warning, error"},
     {"help", CLI_BOOL, offsetof(generate_opts, help), "false", 1, 0, "show this help"},
 };
@@ -70,7 +78,11 @@ static void gen_state_free(gen_state *g) {
 static int generate(const generate_opts *o, const char *model_arg, gen_state *g, pd_err *err) {
     if (resolve_model_arg(model_arg, &g->model_dir, err) != 0) return -1;
     if (tokenizer_load(g->model_dir, &g->tok, err) != 0) return -1;
-    if (pd_backend_create(o->backend, o->threads, &g->be, err) != 0) return -1;
+    char backend[48];
+    if (device_backend_for_model(o->backend, o->device_name, o->dtype, g->model_dir, backend,
+                                 sizeof backend, err) != 0)
+        return -1;
+    if (pd_backend_create(backend, o->threads, &g->be, err) != 0) return -1;
     double t_load = pd_now();
     if (opt_model_load(g->model_dir, g->be, &g->model, err) != 0) return -1;
     const opt_config *cfg = opt_model_config(g->model);
@@ -160,7 +172,10 @@ int cmd_generate(int argc, char **argv) {
     int n_pos;
     pd_err err = {{0}};
     int n_table = (int)(sizeof generate_table / sizeof generate_table[0]);
-    if (cli_parse(generate_table, n_table, &o, argc, argv, pos, 1, &n_pos, NULL, &err) != 0) {
+    uint64_t given = 0;
+    if (cli_parse(generate_table, n_table, &o, argc, argv, pos, 1, &n_pos, &given, &err) != 0 ||
+        device_flags_for_command(generate_table, n_table, given, o.backend, o.device, o.dtype,
+                                 o.device_name, sizeof o.device_name, &err) != 0) {
         fprintf(stderr, "pdserve generate: %s\n", err.msg);
         return 2;
     }

@@ -42,10 +42,12 @@ typedef struct serve_state {
     announcer *ann; /* discovery announcements to a proxy, when configured */
 } serve_state;
 
-static int serve_run(const serve_options *o, serve_state *st, pd_err *err) {
+static int serve_run(serve_options *o, serve_state *st, pd_err *err) {
     if (resolve_model_arg(o->model_arg, &st->model_dir, err) != 0) return -1;
     opt_config mc;
     if (opt_config_load(st->model_dir, &mc, err) != 0) return -1;
+    /* --dtype auto needs the checkpoint's dtype: the backend is chosen now. */
+    if (serve_options_select_backend(o, mc.torch_dtype, err) != 0) return -1;
     if (o->max_model_len_value > mc.max_position_embeddings)
         return pd_fail(err,
                        "--max-model-len %d is greater than the model's max_position_embeddings %d",

@@ -17,6 +17,7 @@
 #include "kvcache/kvcache.h"
 #include "model/opt.h"
 #include "server/engine_seq.h"
+#include "server/kv_sizing.h"
 #include "server/scheduler.h"
 
 void engine_config_default(engine_config *c) {
@@ -24,7 +25,8 @@ void engine_config_default(engine_config *c) {
     c->block_size = 16;
     c->max_num_seqs = 256;
     c->max_num_batched_tokens = 2048;
-    c->kv_cache_bytes = 4e9; /* like vLLM's VLLM_CPU_KVCACHE_SPACE default of 4 GiB */
+    c->kv_cache_bytes = 0; /* the default of kv_sizing.h: 4e9 on the CPU, a GPU's share */
+    c->gpu_memory_utilization = 0.9;
     c->enable_prefix_caching = true;
     c->max_waiting = 4096;
 }
@@ -534,6 +536,113 @@ static void *engine_loop(void *arg) {
 
 /* ---- creation and teardown ---- */
 
+/* Run the largest step the scheduler can issue once, on temporary KV blocks:
+ * max_num_batched_tokens tokens (no sequence beyond max_model_len) spread
+ * over as many sequences as max_num_seqs allows, each wanting logits. After
+ * it the activation buffers, the GEMM library's workspace and the backend's
+ * staging buffers have their steady-state size, so the memory measured next
+ * is what serving needs besides the KV cache. (Step metadata grows with the
+ * block tables later, a few bytes per block: within the headroom.) */
+static int engine_profile_step(engine *e, long *tokens_out, pd_err *err) {
+    const engine_config *c = &e->cfg;
+    const int bs = c->block_size;
+    long T = c->max_num_batched_tokens;
+    if (T > (long)c->max_num_seqs * e->max_model_len) T = (long)c->max_num_seqs * e->max_model_len;
+    const int n_seqs = c->max_num_seqs < T ? c->max_num_seqs : (int)T;
+    *tokens_out = T;
+    long n_blocks = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        long n = T / n_seqs + (i < T % n_seqs);
+        n_blocks += (n + bs - 1) / bs;
+    }
+    opt_seq_step *steps = calloc((size_t)n_seqs, sizeof *steps);
+    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)T);
+    int32_t *tables = malloc(sizeof(int32_t) * (size_t)n_blocks);
+    float *logits = realloc(e->logits, sizeof(float) * (size_t)e->vocab * (size_t)n_seqs);
+    if (logits) {
+        e->logits = logits; /* the engine's logits buffer, grown to its largest size */
+        e->logits_rows = n_seqs;
+    }
+    opt_kv_storage *kv = NULL;
+    int rc = -1;
+    if (!steps || !tokens || !tables || !logits) {
+        pd_fail(err, "out of memory");
+        goto out;
+    }
+    for (long t = 0; t < T; t++) tokens[t] = (int32_t)((t * 7919 + 13) % e->vocab);
+    for (long b = 0; b < n_blocks; b++) tables[b] = (int32_t)b;
+    long t = 0, b = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        int n = (int)(T / n_seqs + (i < T % n_seqs));
+        int nb = (n + bs - 1) / bs;
+        steps[i] = (opt_seq_step){tokens + t, n, 0, tables + b, nb, true};
+        t += n;
+        b += nb;
+    }
+    if (opt_kv_storage_create(e->model, (int)n_blocks, bs, &kv, err) != 0 ||
+        opt_forward(e->model, kv, steps, n_seqs, e->logits, err) != 0) {
+        pd_wrap(err, "profiling a step of %ld tokens in %d sequences", T, n_seqs);
+        goto out;
+    }
+    rc = 0;
+out:
+    opt_kv_storage_free(kv);
+    free(steps);
+    free(tokens);
+    free(tables);
+    return rc;
+}
+
+/* Size the KV cache (kv_sizing.h). On a device with mem_info this loads the
+ * weights between two measurements and profiles; otherwise it only loads. */
+static int engine_load_and_size(engine *e, kv_sizing *ks, pd_err *err) {
+    const engine_config *cfg = &e->cfg;
+    kv_device_memory dev = {0};
+    kv_sizing_request rq = {
+        .block_size = cfg->block_size,
+        .num_blocks_override = cfg->num_blocks_override,
+        .kv_cache_bytes = cfg->kv_cache_bytes,
+        .gpu_memory_utilization = cfg->gpu_memory_utilization,
+        .dev = e->be->mem_info ? &dev : NULL,
+    };
+    const bool measure = kv_sizing_uses_device(&rq);
+    if (measure) {
+        if (e->be->mem_info(e->be, &dev.free_at_start, &dev.total, err) != 0) return -1;
+        if (kv_sizing_check_start(cfg->gpu_memory_utilization, dev.total, dev.free_at_start, err) != 0)
+            return -1;
+    }
+    if (opt_model_load(cfg->model_dir, e->be, &e->model, err) != 0)
+        return rq.dev ? pd_wrap(err, "loading the weights onto %s", e->be->name) : -1;
+    const opt_config *mc = opt_model_config(e->model);
+    e->vocab = mc->vocab_size;
+    e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_position_embeddings;
+    if (e->max_model_len > mc->max_position_embeddings)
+        return pd_fail(err, "--max-model-len %d is greater than the model's max_position_embeddings %d",
+                       e->max_model_len, mc->max_position_embeddings);
+    rq.block_bytes = opt_kv_block_bytes(e->model, cfg->block_size);
+    rq.max_model_len = e->max_model_len;
+    if (measure) {
+        dev.weight_bytes = opt_model_weight_bytes(e->model);
+        if (kv_sizing_check_weights(cfg->gpu_memory_utilization, dev.total, dev.weight_bytes, err) != 0)
+            return -1;
+        double t0 = pd_now();
+        long profiled = 0;
+        if (engine_profile_step(e, &profiled, err) != 0) return -1;
+        size_t total = 0;
+        if (e->be->mem_info(e->be, &dev.free_after_profile, &total, err) != 0) return -1;
+        pd_log(PD_LOG_INFO,
+               "memory profile: %.2f GiB weights, %.2f GiB in use by this instance after a step of %ld "
+               "tokens (%.2f s); %.2f GiB of %.2f GiB free on the device",
+               dev.weight_bytes / 1073741824.0,
+               dev.free_at_start > dev.free_after_profile
+                   ? (dev.free_at_start - dev.free_after_profile) / 1073741824.0
+                   : 0.0,
+               profiled, pd_now() - t0, dev.free_after_profile / 1073741824.0,
+               dev.total / 1073741824.0);
+    }
+    return kv_sizing_compute(&rq, ks, err);
+}
+
 int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     *out = NULL;
     engine *e = calloc(1, sizeof *e);
@@ -543,28 +652,19 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     pthread_cond_init(&e->cv, NULL);
     if (tokenizer_load(cfg->model_dir, &e->tok, err) != 0) goto fail;
     if (pd_backend_create(cfg->backend ? cfg->backend : "cpu", cfg->threads, &e->be, err) != 0) goto fail;
-    if (opt_model_load(cfg->model_dir, e->be, &e->model, err) != 0) goto fail;
+    kv_sizing ks;
+    if (engine_load_and_size(e, &ks, err) != 0) goto fail;
     const opt_config *mc = opt_model_config(e->model);
-    e->vocab = mc->vocab_size;
     e->eos_id = tokenizer_eos_id(e->tok) >= 0 ? tokenizer_eos_id(e->tok) : mc->eos_token_id;
-    e->max_model_len = cfg->max_model_len > 0 ? cfg->max_model_len : mc->max_position_embeddings;
-    if (e->max_model_len > mc->max_position_embeddings) {
-        pd_fail(err, "--max-model-len %d is greater than the model's max_position_embeddings %d", e->max_model_len,
-                mc->max_position_embeddings);
-        goto fail;
-    }
-    int bs = cfg->block_size;
-    size_t block_bytes = opt_kv_block_bytes(e->model, bs);
-    int n_blocks = cfg->num_blocks_override > 0 ? cfg->num_blocks_override
-                                                : kv_blocks_for_budget((size_t)cfg->kv_cache_bytes, block_bytes);
-    int need = (e->max_model_len + bs - 1) / bs;
-    if (n_blocks < need) {
-        pd_fail(err, "the KV cache has %d blocks of %d tokens, fewer than one sequence of --max-model-len %d needs (%d)",
-                n_blocks, bs, e->max_model_len, need);
-        goto fail;
-    }
+    int bs = cfg->block_size, n_blocks = ks.num_blocks;
     if (kv_pool_create(n_blocks, bs, &e->pool, err) != 0) goto fail;
-    if (opt_kv_storage_create(e->model, n_blocks, bs, &e->kv, err) != 0) goto fail;
+    if (opt_kv_storage_create(e->model, n_blocks, bs, &e->kv, err) != 0) {
+        pd_wrap(err, "allocating the KV cache");
+        goto fail;
+    }
+    char kv_line[160];
+    kv_sizing_describe(&ks, bs, e->max_model_len, kv_line, sizeof kv_line);
+    pd_log(PD_LOG_INFO, "%s", kv_line);
     if (cfg->kv_transfer &&
         kv_connector_create(cfg->kv_transfer, e->model, e->kv, e->be, cfg->http_port, &e->conn, err) != 0)
         goto fail;
@@ -578,10 +678,9 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     scheduler_config sc = {cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->enable_prefix_caching,
                            e->max_model_len};
     if (scheduler_create(&sc, e->pool, e->conn, &e->work, &e->sched, err) != 0) goto fail;
-    pd_log(PD_LOG_INFO, "engine: %d KV blocks of %d tokens (%.1f MB, %d tokens), max_model_len %d, max_num_seqs %d, "
-           "max_num_batched_tokens %d, prefix caching %s", n_blocks, bs, (double)block_bytes * n_blocks / 1e6,
-           n_blocks * bs, e->max_model_len, cfg->max_num_seqs, cfg->max_num_batched_tokens,
-           cfg->enable_prefix_caching ? "on" : "off");
+    pd_log(PD_LOG_INFO, "engine: %s on %s, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s",
+           pd_dtype_name(e->be->dtype), e->be->name, e->max_model_len,
+           cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->enable_prefix_caching ? "on" : "off");
     engine_publish_stats(e);
     if (pthread_create(&e->thread, NULL, engine_loop, e) != 0) {
         pd_fail(err, "cannot start the engine thread");

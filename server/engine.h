@@ -33,7 +33,8 @@ typedef struct engine_config {
     int max_num_batched_tokens; /* tokens in one step (2048) */
     int max_model_len;          /* 0: the model's max_position_embeddings */
     int num_blocks_override;    /* > 0: exactly this many KV blocks (tests) */
-    double kv_cache_bytes;      /* KV budget when not overridden */
+    double kv_cache_bytes;      /* > 0: KV budget in bytes; 0: the default (kv_sizing.h) */
+    double gpu_memory_utilization; /* devices with mem_info: fraction of memory for everything (0.9) */
     bool enable_prefix_caching;
     uint64_t seed;              /* base seed for requests without one */
     int threads;                /* backend threads (0: one per core) */
@@ -49,7 +50,9 @@ void engine_config_default(engine_config *c);
 
 typedef struct engine engine;
 
-/* Load the model and tokenizer, size the KV cache, start the engine thread. */
+/* Load the model and tokenizer, size the KV cache (server/kv_sizing.h; on a
+ * device that reports its memory, after one profiling step of the largest
+ * batch the scheduler can issue), start the engine thread. */
 int engine_create(const engine_config *cfg, engine **out, pd_err *err);
 /* Stop accepting work, abort what is in flight (consumers see FINISH_ABORT),
  * join the engine thread, free everything. */

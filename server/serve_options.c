@@ -9,9 +9,7 @@
 #include <string.h>
 
 #include "server/cli.h"
-#ifdef PDSERVE_HAVE_CUDA
-#include "model/cuda/cuda_backend.h"
-#endif
+#include "server/device_options.h"
 
 #define O(f) offsetof(serve_options, f)
 
@@ -26,7 +24,8 @@ static const cli_option serve_table[] = {
     {"api-key", CLI_STR, O(api_key), NULL, 1, 0,
      "require `Authorization: Bearer KEY` on /v1/* (or env VLLM_API_KEY)"},
     {"dtype", CLI_STR, O(dtype), "auto", 1, 0,
-     "auto, half, float16, bfloat16, float, float32 (CPU: always float32; CUDA: auto = float32)"},
+     "auto, half, float16, bfloat16, float, float32 (CPU: always float32; CUDA: auto = bfloat16 "
+     "for a bfloat16 checkpoint, else float16)"},
     {"device", CLI_STR, O(device), "cpu", 1, 0,
      "cpu, cuda (cuda:N for device N), auto (cuda when a GPU is visible, else cpu)"},
     {"max-model-len", CLI_STR, O(max_model_len), "auto", 1, 0,
@@ -37,8 +36,11 @@ static const cli_option serve_table[] = {
      "tokens in one engine step (long prompts are prefilled in chunks)"},
     {"num-gpu-blocks-override", CLI_INT, O(num_gpu_blocks_override), "0", 0, 1 << 30,
      "exactly this many KV blocks (0: size from the memory budget)"},
+    {"gpu-memory-utilization", CLI_FLOAT, O(gpu_memory_utilization), "0.9", 1e-6, 1,
+     "CUDA: fraction of the device's memory for weights, activations and KV cache (the KV "
+     "cache gets what is left after a profiling step; ignored on CPU)"},
     {"kv-cache-memory-bytes", CLI_FLOAT, O(kv_cache_memory_bytes), "0", 0, 1e15,
-     "KV-cache budget in bytes (0: the engine default)"},
+     "KV-cache size in bytes (0: CPU 4e9; CUDA from --gpu-memory-utilization)"},
     {"enable-prefix-caching", CLI_BOOL, O(enable_prefix_caching), "true", 1, 0,
      "reuse KV blocks of shared prompt prefixes (--no-enable-prefix-caching to disable)"},
     {"max-waiting", CLI_INT, O(max_waiting), "4096", 1, 1 << 24,
@@ -58,8 +60,6 @@ static const cli_option serve_table[] = {
      "GPU: copy logits to the host and draw there instead of on the GPU"},
     {"help", CLI_BOOL, O(help), "false", 1, 0, "show this help"},
     /* ignored */
-    {"gpu-memory-utilization", CLI_FLOAT, O(gpu_memory_utilization), "0.9", 1e-6, 1,
-     "ignored on CPU (use --kv-cache-memory-bytes)"},
     {"tensor-parallel-size", CLI_INT, O(tensor_parallel_size), "1", 1, 1, "only 1"},
     {"pipeline-parallel-size", CLI_INT, O(pipeline_parallel_size), "1", 1, 1, "only 1"},
     {"enable-chunked-prefill", CLI_BOOL, O(enable_chunked_prefill), "true", 1, 0,
@@ -83,7 +83,20 @@ static const cli_option serve_table[] = {
 };
 #define N_SERVE_OPTS ((int)(sizeof serve_table / sizeof serve_table[0]))
 /* The ignored flags start here in the table. */
-#define FIRST_IGNORED_NAME "gpu-memory-utilization"
+#define FIRST_IGNORED_NAME "tensor-parallel-size"
+
+/* Flags that only concern the HTTP server; `bench-throughput` (in-process,
+ * no HTTP) rejects them. */
+static const char *const http_only_names[] = {
+    "host", "port", "served-model-name", "api-key", "max-waiting", "max-logprobs",
+    "kv-transfer-config", "shutdown-timeout", "disable-log-requests", "enable-log-requests",
+    "disable-fastapi-docs", "uvicorn-log-level", "max-log-len", "chat-template"};
+
+static bool is_http_only(const char *name) {
+    for (size_t i = 0; i < sizeof http_only_names / sizeof http_only_names[0]; i++)
+        if (!strcmp(name, http_only_names[i])) return true;
+    return false;
+}
 
 void serve_options_help(void) {
     cli_print_help("pdserve serve [MODEL] [options]", serve_table, N_SERVE_OPTS);
@@ -118,38 +131,6 @@ int serve_parse_max_model_len(const char *text, int *out, pd_err *err) {
 int kv_transfer_config_validate(const char *json, pd_err *err) {
     kv_transfer_config c;
     return kv_transfer_config_parse(json, &c, err);
-}
-
-static const char *dtype_names[] = {"auto", "half",  "float16", "fp16", "bfloat16",
-                                    "bf16", "float", "float32", "fp32"};
-
-/* The backend for --device and --dtype: "cpu", or "cuda" / "cuda-fp16" /
- * "cuda-bf16" with the device's ":N" kept. CUDA's auto dtype is float32 for
- * now (exactly comparable with the CPU backend). */
-static int serve_backend_name(const char *device, const char *dtype, char *out, size_t cap,
-                              pd_err *err) {
-    const char *dev = device;
-    if (!strcmp(dev, "auto")) {
-#ifdef PDSERVE_HAVE_CUDA
-        dev = pd_cuda_device_count() > 0 ? "cuda" : "cpu";
-#else
-        dev = "cpu";
-#endif
-    }
-    if (!strcmp(dev, "cpu")) {
-        snprintf(out, cap, "cpu");
-        return 0;
-    }
-    if (strncmp(dev, "cuda", 4) != 0 || (dev[4] && dev[4] != ':') || !strcmp(dev, "cuda:") ||
-        strlen(dev) > 16)
-        return pd_fail(err, "--device: expected auto, cpu, cuda or cuda:N, got '%s'", device);
-    const char *suffix = "";
-    if (!strcmp(dtype, "half") || !strcmp(dtype, "float16") || !strcmp(dtype, "fp16"))
-        suffix = "-fp16";
-    else if (!strcmp(dtype, "bfloat16") || !strcmp(dtype, "bf16"))
-        suffix = "-bf16";
-    snprintf(out, cap, "cuda%s%s", suffix, dev + 4);
-    return 0;
 }
 
 int serve_options_parse(int argc, char **argv, serve_options *o, pd_err *err) {
@@ -195,14 +176,8 @@ int serve_options_parse(int argc, char **argv, serve_options *o, pd_err *err) {
     if (pd_log_parse_level(o->log_level, &o->log_level_value) != 0)
         return pd_fail(err, "--log-level: expected debug, info, warning or error, got '%s'",
                        o->log_level);
-    int ok = 0;
-    for (size_t i = 0; i < sizeof dtype_names / sizeof dtype_names[0]; i++)
-        ok |= !strcmp(o->dtype, dtype_names[i]);
-    if (!ok)
-        return pd_fail(
-            err, "--dtype: expected auto, half, float16, bfloat16, float or float32, got '%s'",
-            o->dtype);
-    if (serve_backend_name(o->device, o->dtype, o->backend, sizeof o->backend, err) != 0) return -1;
+    if (device_flags_check(o->device, o->dtype, o->device_name, sizeof o->device_name, err) != 0)
+        return -1;
     int bs = o->block_size;
     if (bs != 1 && bs != 8 && bs != 16 && bs != 32 && bs != 64 && bs != 128 && bs != 256)
         return pd_fail(err, "--block-size: expected 1, 8, 16, 32, 64, 128 or 256, got %d", bs);
@@ -224,9 +199,37 @@ void serve_options_log_ignored(const serve_options *o) {
         if (o->given_mask & ((uint64_t)1 << i))
             pd_log(PD_LOG_WARN, "--%s: accepted and ignored (%s)", serve_table[i].name,
                    serve_table[i].help);
-    if (!strcmp(o->backend, "cpu") && strcmp(o->dtype, "auto") && strcmp(o->dtype, "float") &&
-        strcmp(o->dtype, "float32") && strcmp(o->dtype, "fp32"))
-        pd_log(PD_LOG_WARN, "--dtype %s: the CPU backend computes in float32", o->dtype);
+    if (serve_options_given(o, "gpu-memory-utilization") && device_is_cpu(o->device_name))
+        pd_log(PD_LOG_WARN, "--gpu-memory-utilization: ignored on the CPU (the KV cache takes "
+                            "--kv-cache-memory-bytes, default 4e9)");
+}
+
+bool serve_options_given(const serve_options *o, const char *name) {
+    for (int i = 0; i < N_SERVE_OPTS && i < 64; i++)
+        if (!strcmp(serve_table[i].name, name)) return (o->given_mask >> i) & 1;
+    return false;
+}
+
+int serve_options_select_backend(serve_options *o, pd_dtype checkpoint, pd_err *err) {
+    return device_select_backend(o->device_name, o->dtype, checkpoint, o->backend,
+                                 sizeof o->backend, err);
+}
+
+int serve_options_parse_engine(int argc, char **argv, serve_options *o, pd_err *err) {
+    if (serve_options_parse(argc, argv, o, err) != 0) return -1;
+    for (int i = 0; i < N_SERVE_OPTS && i < 64; i++)
+        if ((o->given_mask & ((uint64_t)1 << i)) && is_http_only(serve_table[i].name))
+            return pd_fail(err, "--%s: not an option here (it only concerns the HTTP server)",
+                           serve_table[i].name);
+    return 0;
+}
+
+void serve_options_print_engine_options(void) {
+    cli_option engine_opts[N_SERVE_OPTS];
+    int n = 0;
+    for (int i = 0; i < N_SERVE_OPTS; i++)
+        if (!is_http_only(serve_table[i].name)) engine_opts[n++] = serve_table[i];
+    cli_print_options(engine_opts, n);
 }
 
 void serve_options_to_engine(const serve_options *o, const char *model_dir, engine_config *c) {
@@ -236,11 +239,12 @@ void serve_options_to_engine(const serve_options *o, const char *model_dir, engi
     c->max_num_batched_tokens = o->max_num_batched_tokens;
     c->max_model_len = o->max_model_len_value;
     c->num_blocks_override = o->num_gpu_blocks_override;
-    if (o->kv_cache_memory_bytes > 0) c->kv_cache_bytes = o->kv_cache_memory_bytes;
+    c->kv_cache_bytes = o->kv_cache_memory_bytes;
+    c->gpu_memory_utilization = o->gpu_memory_utilization;
     c->enable_prefix_caching = o->enable_prefix_caching != 0;
     c->seed = o->seed;
     c->threads = o->threads;
-    c->backend = o->backend;
+    c->backend = o->backend[0] ? o->backend : NULL; /* NULL: the CPU */
     c->max_waiting = o->max_waiting;
     c->enforce_eager = o->enforce_eager != 0;
     c->host_sampling = o->host_sampling != 0;

@@ -126,6 +126,18 @@ static void cu_free(pd_backend *be, void *p) {
     cudaFree(p);
 }
 
+static int cu_mem_info(pd_backend *be, size_t *free_bytes, size_t *total_bytes, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cudaError_t e = cudaMemGetInfo(free_bytes, total_bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return pd_fail(err, "cuda backend: cudaMemGetInfo on device %d: %s", c->device,
+                       cudaGetErrorString(e));
+    }
+    return 0;
+}
+
 static int cu_copy(pd_backend *be, void *dst, const void *src, size_t bytes, cudaMemcpyKind kind,
                    const char *what, pd_err *err) {
     cuda_ctx *c = ctx_of(be);
@@ -521,6 +533,7 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->download_f32 = cu_download_f32;
     be->upload_view = cu_upload_view;
     be->sync = cu_sync;
+    be->mem_info = cu_mem_info;
     be->gemm = cu_gemm;
     be->layer_norm = cu_layer_norm;
     be->activation = cu_activation;

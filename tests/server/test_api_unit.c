@@ -3,7 +3,7 @@
  * length checks, stop strings and hold-back (against a brute-force
  * reference), UTF-8 boundaries, response / SSE / error JSON (parsed back
  * with cJSON), logprobs objects, Prometheus histograms (against counts
- * computed here) and the `pdserve serve` flags.
+ * computed here), the `pdserve serve` flags and the --device / --dtype rule.
  *
  * The server sources are not in pdcore (they belong to the pdserve
  * program), so the ones under test are compiled into this test directly. */
@@ -553,10 +553,81 @@ static void test_serve_options(void) {
         CHECKF(serve_parse(&o, &err, 2, a) == -1 && strstr(err.msg, kv_bad[i].key),
                "kv config %s: %s", kv_bad[i].json, err.msg);
     }
+    /* --device / --dtype: checked at parse time, the backend settled from the checkpoint. */
+    char *a9[] = {"--device", "cuda:2", "--dtype", "auto", "--gpu-memory-utilization", "0.5"};
+    CHECKF(serve_parse(&o, &err, 6, a9) == 0, "%s", err.msg);
+    CHECK(!strcmp(o.device_name, "cuda:2") && serve_options_given(&o, "gpu-memory-utilization") &&
+          !serve_options_given(&o, "kv-cache-memory-bytes"));
+    CHECKF(serve_options_select_backend(&o, PD_BF16, &err) == 0 &&
+               !strcmp(o.backend, "cuda-bf16:2"),
+           "%s", o.backend);
+    serve_options_to_engine(&o, "/dir", &c);
+    CHECK(c.backend && !strcmp(c.backend, "cuda-bf16:2") &&
+          fabs(c.gpu_memory_utilization - 0.5) < 1e-6);
+    CHECK(serve_options_select_backend(&o, PD_F32, &err) == 0 && !strcmp(o.backend, "cuda-fp16:2"));
+    char *a10[] = {"--device", "tpu"};
+    CHECK(serve_parse(&o, &err, 2, a10) == -1 && strstr(err.msg, "--device") &&
+          strstr(err.msg, "tpu"));
+    char *a11[] = {"--device", "cuda:"};
+    CHECK(serve_parse(&o, &err, 2, a11) == -1 && strstr(err.msg, "cuda:"));
+    char *a12[] = {"--gpu-memory-utilization", "1.5"};
+    CHECK(serve_parse(&o, &err, 2, a12) == -1 && strstr(err.msg, "gpu-memory-utilization"));
+    char *a13[] = {"--dtype", "bf16"};
+    CHECK(serve_parse(&o, &err, 2, a13) == 0 && !strcmp(o.device_name, "cpu"));
+    CHECK(serve_options_select_backend(&o, PD_BF16, &err) == 0 && !strcmp(o.backend, "cpu"));
+    /* The in-process commands take the engine flags but no HTTP ones. */
+    char *a14[] = {"m", "--max-num-seqs", "8", "--enforce-eager", "--device", "cpu"};
+    CHECKF(serve_options_parse_engine(6, a14, &o, &err) == 0 && o.max_num_seqs == 8, "%s", err.msg);
+    char *a15[] = {"m", "--port", "9000"};
+    CHECK(serve_options_parse_engine(3, a15, &o, &err) == -1 && strstr(err.msg, "--port"));
+    char *a16[] = {"--api-key=k"};
+    CHECK(serve_options_parse_engine(1, a16, &o, &err) == -1 && strstr(err.msg, "--api-key"));
+
     int v;
     CHECK(serve_parse_max_model_len("auto", &v, &err) == 0 && v == 0);
     CHECK(serve_parse_max_model_len("2048", &v, &err) == 0 && v == 2048);
     CHECK(serve_parse_max_model_len("-5", &v, &err) == -1);
+}
+
+/* The --dtype rule on each device, for each checkpoint dtype (vLLM's auto:
+ * bf16 stays bf16, fp32 and fp16 run in fp16 on CUDA; the CPU is fp32). */
+static void test_device_dtype(void) {
+    static const struct {
+        const char *device, *dtype;
+        pd_dtype ckpt;
+        const char *backend;
+    } cases[] = {
+        {"cpu", "auto", PD_F32, "cpu"},
+        {"cpu", "auto", PD_BF16, "cpu"},
+        {"cpu", "float16", PD_F16, "cpu"},
+        {"cuda", "auto", PD_F32, "cuda-fp16"},
+        {"cuda", "auto", PD_F16, "cuda-fp16"},
+        {"cuda", "auto", PD_BF16, "cuda-bf16"},
+        {"cuda", "float32", PD_BF16, "cuda"},
+        {"cuda", "float", PD_F16, "cuda"},
+        {"cuda", "half", PD_BF16, "cuda-fp16"},
+        {"cuda", "bfloat16", PD_F32, "cuda-bf16"},
+        {"cuda:3", "auto", PD_F32, "cuda-fp16:3"},
+        {"cuda:3", "fp32", PD_F32, "cuda:3"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char dev[24], name[48];
+        pd_err err = {{0}};
+        CHECKF(device_flags_check(cases[i].device, cases[i].dtype, dev, sizeof dev, &err) == 0,
+               "%s", err.msg);
+        CHECKF(device_select_backend(dev, cases[i].dtype, cases[i].ckpt, name, sizeof name, &err) ==
+                       0 &&
+                   !strcmp(name, cases[i].backend),
+               "%s --dtype %s, checkpoint %s: got %s, want %s", cases[i].device, cases[i].dtype,
+               pd_dtype_name(cases[i].ckpt), name, cases[i].backend);
+    }
+    char dev[24];
+    pd_err err = {{0}};
+    CHECK(device_flags_check("cpu", "int8", dev, sizeof dev, &err) == -1 &&
+          strstr(err.msg, "int8"));
+    CHECK(device_flags_check("cuda:1:2", "auto", dev, sizeof dev, &err) == -1);
+    CHECK(device_flags_check("auto", "auto", dev, sizeof dev, &err) == 0 &&
+          (!strcmp(dev, "cpu") || !strcmp(dev, "cuda")));
 }
 
 int main(void) {
@@ -571,5 +642,6 @@ int main(void) {
     test_responses();
     test_metrics();
     test_serve_options();
+    test_device_dtype();
     return test_finish();
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # test_cli: the pdserve command line end to end — make-model, tokenize /
 # detokenize round trip, generate (greedy is deterministic; seeded sampling is
-# reproducible), and one-line errors with exit status 2 for bad flags/values.
+# reproducible; --device/--dtype/--backend), and one-line errors with exit
+# status 2 for bad flags/values.
 set -u
 bin=${PDSERVE_BIN:?}
 tmp=$(mktemp -d)
@@ -33,6 +34,20 @@ cmp -s "$tmp/g1" "$tmp/g2" && ok || bad "greedy generate is not deterministic"
 "$bin" generate "$tmp/m" --prompt "Once" --max-tokens 12 --temperature 1 --seed 7 --ignore-eos >"$tmp/s1" 2>/dev/null
 "$bin" generate "$tmp/m" --prompt "Once" --max-tokens 12 --temperature 1 --seed 7 --ignore-eos --threads 1 >"$tmp/s2" 2>/dev/null
 cmp -s "$tmp/s1" "$tmp/s2" && ok || bad "seeded sampling is not reproducible"
+
+# --device / --dtype: the CPU computes in float32 whatever --dtype says, so
+# greedy output is the same; --backend is the alternative spelling.
+"$bin" generate "$tmp/m" --prompt "The quick brown fox" --max-tokens 12 --ignore-eos --device cpu --dtype float16 >"$tmp/g3" 2>"$tmp/err"
+cmp -s "$tmp/g1" "$tmp/g3" && ok || bad "--dtype float16 on the CPU changed the output"
+grep -q 'dtype float16 -> float32 (checkpoint float32; the CPU backend computes in float32)' "$tmp/err" && ok || bad "dtype log: $(cat "$tmp/err")"
+"$bin" generate "$tmp/m" --prompt "The quick brown fox" --max-tokens 12 --ignore-eos --backend cpu >"$tmp/g4" 2>/dev/null
+cmp -s "$tmp/g1" "$tmp/g4" && ok || bad "--backend cpu changed the output"
+expect_rc 2 "backend and device" "$bin" generate "$tmp/m" --prompt x --backend cpu --device cpu
+grep -q -- '--backend' "$tmp/err" && ok || bad "backend+device message: $(cat "$tmp/err")"
+expect_rc 2 "bad device" "$bin" generate "$tmp/m" --prompt x --device tpu
+grep -q -- "--device.*'tpu'" "$tmp/err" && ok || bad "device message: $(cat "$tmp/err")"
+expect_rc 2 "bad dtype" "$bin" bench-cpu "$tmp/m" --dtype int4
+grep -q -- "--dtype.*'int4'" "$tmp/err" && ok || bad "dtype message: $(cat "$tmp/err")"
 
 # Bad input: exit 2 (usage) or 1 (runtime) with a one-line message naming the problem.
 expect_rc 2 "unknown flag" "$bin" generate "$tmp/m" --prompt x --bogus 1
