@@ -16,6 +16,8 @@ static void usage(FILE *out) {
             "  detokenize [MODEL]          token ids (JSON array) on stdin -> text on stdout\n"
             "  bench-cpu [MODEL]           memory bandwidth, FLOP rate, prefill and decode speed\n"
             "  bench-kv                    KV transfer speed (tcp data plane) against loopback TCP\n"
+            "  score [MODEL] --input F     logits and greedy tokens for given token ids (to compare\n"
+            "                              with another implementation: scripts/compare-hf.py)\n"
             "  serve [MODEL] [flags]       OpenAI-compatible HTTP server (flags as vllm serve)\n\n"
             "MODEL is a Hugging Face model directory or a hub name (org/name) found in the\n"
             "local Hugging Face cache; without it the built-in default model is used.\n"
@@ -38,6 +40,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "detokenize")) return cmd_detokenize(argc - 2, argv + 2);
     if (!strcmp(cmd, "bench-cpu")) return cmd_bench_cpu(argc - 2, argv + 2);
     if (!strcmp(cmd, "bench-kv")) return cmd_bench_kv(argc - 2, argv + 2);
+    if (!strcmp(cmd, "score")) return cmd_score(argc - 2, argv + 2);
     if (!strcmp(cmd, "serve")) return cmd_serve(argc - 2, argv + 2);
     fprintf(stderr, "pdserve: unknown command '%s' (try pdserve --help)\n", cmd);
     return 2;

@@ -120,10 +120,8 @@ int kv_transfer_config_validate(const char *json, pd_err *err) {
 static const char *dtype_names[] = {"auto", "half",  "float16", "fp16", "bfloat16",
                                     "bf16", "float", "float32", "fp32"};
 
-/* The backend for --device and --dtype: "cpu", or "cuda" / "cuda-fp16" /
- * "cuda-bf16" with the device's ":N" kept. CUDA's auto dtype is float32 for
- * now (exactly comparable with the CPU backend). */
-static int serve_backend_name(const char *device, const char *dtype, char *out, size_t cap,
+/* CUDA's auto dtype is float32 for now (exactly comparable with the CPU backend). */
+int serve_backend_name(const char *device, const char *dtype, char *out, size_t cap,
                               pd_err *err) {
     const char *dev = device;
     if (!strcmp(dev, "auto")) {

@@ -50,6 +50,10 @@ int serve_parse_max_model_len(const char *text, int *out, pd_err *err);
 /* Validate --kv-transfer-config JSON (see kv_transfer_config_parse). */
 int kv_transfer_config_validate(const char *json, pd_err *err);
 
+/* The backend for --device and --dtype: "cpu", or "cuda" / "cuda-fp16" /
+ * "cuda-bf16" with the device's ":N" kept (also used by `pdserve score`). */
+int serve_backend_name(const char *device, const char *dtype, char *out, size_t cap, pd_err *err);
+
 /* Copy the options into c, which the caller set with engine_config_default. */
 void serve_options_to_engine(const serve_options *o, const char *model_dir, engine_config *c);
 
