@@ -229,6 +229,17 @@ static int staging_bandwidth(pd_backend *be, size_t bytes, int reps, double *d2h
     return rc;
 }
 
+/* The consumer has every layer once p2p_take returned it; the producer may
+ * still wait for the last acks. Let them arrive (bounded, untimed) so the
+ * next repetition starts idle and shutting down fails no send that made it. */
+static void wait_sends_settled(p2p_engine *prod) {
+    for (double until = pd_now() + 5; pd_now() < until; usleep(1000)) {
+        p2p_stats ps;
+        p2p_stats_get(prod, &ps);
+        if (ps.offered_bytes == 0) return;
+    }
+}
+
 static const char *send_type_names[] = {"PUT", "PUT_ASYNC", "GET"};
 
 /* All send types for one length on one transport; prints a table row each. */
@@ -273,10 +284,12 @@ static int bench_length(const bench_run *br, int tokens, double link, pd_err *er
         for (int r = 0; r < o->reps && rc == 0; r++) {
             double sec;
             if (transfer_once(prod, cons, (p2p_send_type)st, br, tokens, r, src, dst, &sec, err) !=
-                0)
+                0) {
                 rc = -1;
-            else if (sec < best)
-                best = sec;
+                break;
+            }
+            if (sec < best) best = sec;
+            wait_sends_settled(prod);
         }
         if (rc == 0) {
             char of_link[32] = "-";
