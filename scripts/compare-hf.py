@@ -180,9 +180,15 @@ class HFReference:
 
         self.torch = torch
         torch.set_grad_enabled(False)
-        # fp32 must be real fp32: no TF32 in cuBLAS or cuDNN.
+        # The reference as exact as its dtype allows: fp32 without TF32, and
+        # 16-bit GEMMs without reduced-precision (16-bit) split-K reductions,
+        # as pdserve accumulates in fp32.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        for flag in ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"):
+            if hasattr(torch.backends.cuda.matmul, flag):
+                setattr(torch.backends.cuda.matmul, flag, False)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype_name]
         kw = {"attn_implementation": attn} if attn else {}

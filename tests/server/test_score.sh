@@ -5,7 +5,8 @@
 # prompt extended by its own greedy tokens pick those tokens again (so every
 # row is the right position's); that score's greedy tokens are exactly what
 # `pdserve generate --temperature 0` prints; that block size and prefill
-# chunking do not change the result; and the one-line errors.
+# chunking do not change the result; the one-line errors; and
+# scripts/compare-hf.py's comparison logic against another pdserve backend.
 set -u
 bin=${PDSERVE_BIN:?}
 tmp=$(mktemp -d)
@@ -180,6 +181,23 @@ grep -q "device.*'tpu'" "$tmp/err" && ok || bad "--device message: $(cat "$tmp/e
 expect_rc 0 "--device cpu --dtype float32" "$bin" score "$tmp/m" --input "$tmp/one.json" --output "$tmp/x.json" \
   --device cpu --dtype float32 --max-tokens 2
 expect_rc 1 "missing input file" "$bin" score "$tmp/m" --input "$tmp/nope.json" --output "$tmp/x.json"
+
+# scripts/compare-hf.py's own logic, with another pdserve backend as the
+# reference (no torch here): the SSE2 kernels agree within 1e-4 and every
+# continuation matches; a model with other weights fails, with divergences
+# reported step by step.
+src=${PDSERVE_SRC:-$(cd "$(dirname "$0")/../.." && pwd)}
+expect_rc 0 "compare-hf, cpu vs cpu-baseline" python3 "$src/scripts/compare-hf.py" "$tmp/m" --backend cpu \
+  --reference pdserve:cpu-baseline --prompts 5 --min-len 8 --max-len 24 --tokens 6 --pdserve "$bin" \
+  --json "$tmp/cmp.json"
+grep -q '^RESULT: PASS' "$tmp/out" && grep -q 'identical: 5/5' "$tmp/out" && ok || bad "compare-hf pass: $(tail -5 "$tmp/out")"
+python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); assert j["passed"] and j["identical"] == 5 and j["max_abs_positions"] <= 1e-4' \
+  "$tmp/cmp.json" && ok || bad "compare-hf summary json"
+expect_rc 0 "make-model other seed" "$bin" make-model "$tmp/m9" --preset tiny --seed 9
+expect_rc 1 "compare-hf, other weights" python3 "$src/scripts/compare-hf.py" "$tmp/m" --backend cpu \
+  --reference pdserve:cpu --reference-model "$tmp/m9" --prompts 3 --min-len 8 --max-len 16 --tokens 4 --pdserve "$bin"
+grep -q '^RESULT: FAIL' "$tmp/out" && grep -q 'first divergent step' "$tmp/out" && ok ||
+  bad "compare-hf should fail on other weights: $(tail -5 "$tmp/out")"
 
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]
