@@ -15,7 +15,7 @@ static void usage(FILE *out) {
             "  tokenize [MODEL]            text on stdin -> token ids (JSON array) on stdout\n"
             "  detokenize [MODEL]          token ids (JSON array) on stdin -> text on stdout\n"
             "  bench-cpu [MODEL]           memory bandwidth, FLOP rate, prefill and decode speed\n"
-            "  bench-kv                    KV transfer speed (tcp data plane) against loopback TCP\n"
+            "  bench-kv                    KV transfer speed per transport against the link (loopback TCP)\n"
             "  score [MODEL] --input F     logits and greedy tokens for given token ids (to compare\n"
             "                              with another implementation: scripts/compare-hf.py)\n"
             "  serve [MODEL] [flags]       OpenAI-compatible HTTP server (flags as vllm serve)\n\n"
