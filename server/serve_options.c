@@ -121,8 +121,7 @@ static const char *dtype_names[] = {"auto", "half",  "float16", "fp16", "bfloat1
                                     "bf16", "float", "float32", "fp32"};
 
 /* CUDA's auto dtype is float32 for now (exactly comparable with the CPU backend). */
-int serve_backend_name(const char *device, const char *dtype, char *out, size_t cap,
-                              pd_err *err) {
+int serve_backend_name(const char *device, const char *dtype, char *out, size_t cap, pd_err *err) {
     const char *dev = device;
     if (!strcmp(dev, "auto")) {
 #ifdef PDSERVE_HAVE_CUDA
