@@ -12,6 +12,7 @@ int cmd_detokenize(int argc, char **argv);
 int cmd_bench_cpu(int argc, char **argv);
 int cmd_bench_kv(int argc, char **argv);
 int cmd_bench_throughput(int argc, char **argv);
+int cmd_score(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
 
 /* Resolve the MODEL argument: NULL means the built-in default model, which is

@@ -18,6 +18,9 @@ static void usage(FILE *out) {
             "  bench-kv                    KV transfer speed (tcp data plane) against loopback TCP\n"
             "  bench-throughput [MODEL]    offline engine throughput: N random prompts at once,\n"
             "                              requests/s and tokens/s (like vLLM's benchmark_throughput)\n"
+            "  bench-kv                    KV transfer speed per transport against the link (loopback TCP)\n"
+            "  score [MODEL] --input F     logits and greedy tokens for given token ids (to compare\n"
+            "                              with another implementation: scripts/compare-hf.py)\n"
             "  serve [MODEL] [flags]       OpenAI-compatible HTTP server (flags as vllm serve)\n\n"
             "MODEL is a Hugging Face model directory or a hub name (org/name) found in the\n"
             "local Hugging Face cache; without it the built-in default model is used.\n"
@@ -41,6 +44,7 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "bench-cpu")) return cmd_bench_cpu(argc - 2, argv + 2);
     if (!strcmp(cmd, "bench-kv")) return cmd_bench_kv(argc - 2, argv + 2);
     if (!strcmp(cmd, "bench-throughput")) return cmd_bench_throughput(argc - 2, argv + 2);
+    if (!strcmp(cmd, "score")) return cmd_score(argc - 2, argv + 2);
     if (!strcmp(cmd, "serve")) return cmd_serve(argc - 2, argv + 2);
     fprintf(stderr, "pdserve: unknown command '%s' (try pdserve --help)\n", cmd);
     return 2;

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # test_cli: the pdserve command line end to end — make-model, tokenize /
 # detokenize round trip, generate (greedy is deterministic; seeded sampling is
-# reproducible; --device/--dtype/--backend), and one-line errors with exit
-# status 2 for bad flags/values.
+# reproducible; --device/--dtype/--backend), bench-kv's table, and one-line errors
+# with exit status 2 for bad flags/values.
 set -u
 bin=${PDSERVE_BIN:?}
 tmp=$(mktemp -d)
@@ -64,6 +64,14 @@ expect_rc 1 "unknown preset" "$bin" make-model "$tmp/m3" --preset gigantic
 grep -q gigantic "$tmp/err" && ok || bad "preset error names the preset: $(cat "$tmp/err")"
 echo '[1, "x"]' | "$bin" detokenize "$tmp/m" >/dev/null 2>"$tmp/err"; [ $? -eq 1 ] && ok || bad "detokenize bad ids"
 expect_rc 2 "unknown command" "$bin" frobnicate
+
+# bench-kv: one markdown row per (length, send type); nccl says why it did not run here.
+expect_rc 0 "bench-kv" "$bin" bench-kv --tokens 16,33 --layers 2 --reps 1 --dtype float16 --transport tcp,nccl
+[ "$(grep -c '^| [0-9]* | tcp | host -> host | ' "$tmp/out")" -eq 6 ] && ok || bad "bench-kv rows: $(cat "$tmp/out")"
+grep -q '^nccl: not run' "$tmp/out" || grep -q '^| 16 | nccl ' "$tmp/out" && ok || bad "bench-kv nccl line: $(cat "$tmp/out")"
+expect_rc 2 "bench-kv bad dtype" "$bin" bench-kv --dtype float8
+grep -q float8 "$tmp/err" && ok || bad "bench-kv dtype message: $(cat "$tmp/err")"
+expect_rc 2 "bench-kv bad transport" "$bin" bench-kv --transport udp
 
 # Default model: created on first use under $PDSERVE_HOME.
 PDSERVE_HOME="$tmp/home" "$bin" generate --prompt "hi" --max-tokens 4 >"$tmp/d" 2>"$tmp/err" && ok || bad "default model: $(cat "$tmp/err")"
