@@ -421,15 +421,19 @@ static void test_attention(const pair *p) {
 
 enum { LIN_LN = 1, LIN_ACT = 2, LIN_ACC = 4, LIN_BIAS = 8 };
 
-/* What opt.c runs when a backend has no linear op: the reference. */
+/* What opt.c runs when a backend has no linear op (its helper linear(), restated):
+ * the reference, and the unfused timing. */
 static void ref_linear(pd_backend *be, void *y, const void *x, int x_stride, const void *w,
                        const void *bias, int T, int in, int out, const pd_linear_fuse *f) {
     const size_t es = be->elem_size;
     if (f->layer_norm) {
-        for (int t = 0; t < T; t++)
-            be->layer_norm(be, (char *)f->ln_out + (size_t)t * in * es,
-                           (const char *)x + (size_t)t * x_stride * es, f->ln_w, f->ln_b, 1, in,
-                           f->ln_eps);
+        if (x_stride == in)
+            be->layer_norm(be, f->ln_out, x, f->ln_w, f->ln_b, T, in, f->ln_eps);
+        else /* layer_norm takes dense rows */
+            for (int t = 0; t < T; t++)
+                be->layer_norm(be, (char *)f->ln_out + (size_t)t * in * es,
+                               (const char *)x + (size_t)t * x_stride * es, f->ln_w, f->ln_b, 1, in,
+                               f->ln_eps);
         x = f->ln_out;
         x_stride = in;
     }
