@@ -40,6 +40,27 @@ typedef struct pd_step_meta {
     int max_q_len;               /* most new tokens of one sequence in this step */
 } pd_step_meta;
 
+/* What the optional `linear` op fuses around its GEMM, in this order:
+ *   1. layer_norm: each x row is normalised first (as the layer_norm op,
+ *      affine when ln_w != NULL);
+ *   2. the GEMM and its bias;
+ *   3. activate: act is applied to every result element;
+ *   4. accumulate: the result is added to y (a residual connection)
+ *      instead of replacing it.
+ * The scratch buffers are for backends that do the steps one at a time
+ * (the generic composition in model/opt.c uses both); a fused kernel may
+ * ignore them. */
+typedef struct pd_linear_fuse {
+    int layer_norm;
+    const void *ln_w, *ln_b; /* [in] each, or both NULL */
+    float ln_eps;
+    void *ln_out; /* [T, in] scratch for LN(x); needed with layer_norm */
+    int activate;
+    pd_activation act;
+    int accumulate;
+    void *acc_tmp; /* [T, out] scratch for the result before it is added; needed with accumulate */
+} pd_linear_fuse;
+
 typedef struct pd_backend pd_backend;
 
 struct pd_backend {
@@ -72,6 +93,13 @@ struct pd_backend {
      * x's rows are x_stride elements apart (>= in); y is dense. */
     void (*gemm)(pd_backend *be, void *y, const void *x, int x_stride, const void *w,
                  const void *bias, int T, int in, int out);
+    /* Optional (NULL: model/opt.c composes layer_norm, gemm, activation and
+     * add instead): y[T,out] = gemm(x) with what f fuses around it (see
+     * pd_linear_fuse): y (+)= act(LN(x) . W^T + bias). x's rows are x_stride
+     * elements apart (>= in); y is dense and must not overlap x or the
+     * scratch buffers. */
+    void (*linear)(pd_backend *be, void *y, const void *x, int x_stride, const void *w,
+                   const void *bias, int T, int in, int out, const pd_linear_fuse *f);
     /* y = (x - mean) / sqrt(var + eps) (* w + b when w != NULL), per row,
      * fp32 reductions. y may equal x. */
     void (*layer_norm)(pd_backend *be, void *y, const void *x, const void *w, const void *b,

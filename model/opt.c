@@ -530,32 +530,77 @@ static int upload_meta(opt_model *m, const opt_kv_storage *kv, const opt_seq_ste
     return 0;
 }
 
-/* self_attn: out = out_proj(attention(q, cache)); also writes this step's
- * k and v into the layer's cache. in and out are [T, h]. */
+#define OPT_LN_EPS 1e-5f
+
+/* y = act(LN(x) . W^T + bias), or y += that, with what f asks for (see
+ * pd_linear_fuse in backend.h): one fused op where the backend has it,
+ * otherwise the same steps one op at a time, which is what the CPU backend
+ * runs (so its results are those of the separate ops, bit for bit). */
+static void linear(pd_backend *be, void *y, const void *x, int x_stride, const void *w,
+                   const void *bias, int T, int in, int out, const pd_linear_fuse *f) {
+    if (be->linear) {
+        be->linear(be, y, x, x_stride, w, bias, T, in, out, f);
+        return;
+    }
+    const size_t es = be->elem_size;
+    if (f->layer_norm) {
+        if (x_stride == in)
+            be->layer_norm(be, f->ln_out, x, f->ln_w, f->ln_b, T, in, f->ln_eps);
+        else /* layer_norm takes dense rows */
+            for (int t = 0; t < T; t++)
+                be->layer_norm(be, (char *)f->ln_out + (size_t)t * in * es,
+                               (const char *)x + (size_t)t * x_stride * es, f->ln_w, f->ln_b, 1, in,
+                               f->ln_eps);
+        x = f->ln_out;
+        x_stride = in;
+    }
+    void *dst = f->accumulate ? f->acc_tmp : y;
+    be->gemm(be, dst, x, x_stride, w, bias, T, in, out);
+    if (f->activate) be->activation(be, dst, (size_t)T * out, f->act);
+    if (f->accumulate) be->add(be, y, dst, (size_t)T * out);
+}
+
+/* self_attn with its residual connection: x += out_proj(attention(q, cache))
+ * where q | k | v = qkv_proj(x), or qkv_proj(LN(x)) in a pre-LN model
+ * (pre_ln: LN is the layer's self_attn_layer_norm, fused into that GEMM).
+ * Also writes this step's k and v into the layer's cache. x is [T, h]. */
 static void attention_block(opt_model *m, const opt_layer_dev *L, void *k_cache, void *v_cache,
-                            int block_size, const pd_step_meta *meta, const void *in, void *out) {
+                            int block_size, const pd_step_meta *meta, bool pre_ln, void *x) {
     pd_backend *be = m->be;
     const int T = meta->n_tokens, h = m->cfg.hidden_size;
     const int heads = m->cfg.num_attention_heads, hd = m->cfg.head_dim;
     char *qkv = m->s.qkv; /* per token: q | k | v */
     const size_t es = be->elem_size;
-    be->gemm(be, qkv, in, h, L->qkv_w, L->qkv_b, T, h, 3 * h);
+    const pd_linear_fuse qkv_proj = {.layer_norm = pre_ln,
+                                     .ln_w = L->ln_attn_w,
+                                     .ln_b = L->ln_attn_b,
+                                     .ln_eps = OPT_LN_EPS,
+                                     .ln_out = m->s.a};
+    linear(be, qkv, x, h, L->qkv_w, L->qkv_b, T, h, 3 * h, &qkv_proj);
     be->kv_write(be, k_cache, v_cache, qkv + h * es, qkv + 2 * h * es, 3 * h, meta, h);
     be->paged_attention(be, m->s.attn, qkv, 3 * h, k_cache, v_cache, meta, heads, hd, block_size,
                         1.0f / sqrtf((float)hd));
-    be->gemm(be, out, m->s.attn, h, L->o_w, L->o_b, T, h, h);
+    const pd_linear_fuse residual = {.accumulate = 1, .acc_tmp = m->s.a};
+    linear(be, x, m->s.attn, h, L->o_w, L->o_b, T, h, h, &residual);
 }
 
-/* fc2(act(fc1(in))); in and out are [T, h]. */
-static void ffn_block(opt_model *m, const opt_layer_dev *L, int T, const void *in, void *out) {
+/* The feed-forward block with its residual connection:
+ * x += fc2(act(fc1(x))), or of LN(x) in a pre-LN model (pre_ln: LN is the
+ * layer's final_layer_norm, fused into fc1). x is [T, h]. */
+static void ffn_block(opt_model *m, const opt_layer_dev *L, int T, bool pre_ln, void *x) {
     pd_backend *be = m->be;
     const int h = m->cfg.hidden_size, f = m->cfg.ffn_dim;
-    be->gemm(be, m->s.ffn, in, h, L->fc1_w, L->fc1_b, T, h, f);
-    be->activation(be, m->s.ffn, (size_t)T * f, m->cfg.activation);
-    be->gemm(be, out, m->s.ffn, f, L->fc2_w, L->fc2_b, T, f, h);
+    const pd_linear_fuse fc1 = {.layer_norm = pre_ln,
+                                .ln_w = L->ln_ffn_w,
+                                .ln_b = L->ln_ffn_b,
+                                .ln_eps = OPT_LN_EPS,
+                                .ln_out = m->s.a,
+                                .activate = 1,
+                                .act = m->cfg.activation};
+    linear(be, m->s.ffn, x, h, L->fc1_w, L->fc1_b, T, h, f, &fc1);
+    const pd_linear_fuse residual = {.accumulate = 1, .acc_tmp = m->s.a};
+    linear(be, x, m->s.ffn, f, L->fc2_w, L->fc2_b, T, f, h, &residual);
 }
-
-#define OPT_LN_EPS 1e-5f
 
 /* Queue the whole step on the backend (no copies, no syncs: this same code
  * is what a graph capture records): embeddings, every layer, and for the
@@ -582,18 +627,12 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
         const opt_layer_dev *L = &m->layers[l];
         void *kc = kv->k[l], *vc = kv->v[l];
         if (c->do_layer_norm_before) { /* pre-LN: x = x + f(LN(x)) */
-            be->layer_norm(be, s->a, s->x, L->ln_attn_w, L->ln_attn_b, T, h, OPT_LN_EPS);
-            attention_block(m, L, kc, vc, kv->block_size, meta, s->a, s->a);
-            be->add(be, s->x, s->a, (size_t)T * h);
-            be->layer_norm(be, s->a, s->x, L->ln_ffn_w, L->ln_ffn_b, T, h, OPT_LN_EPS);
-            ffn_block(m, L, T, s->a, s->a);
-            be->add(be, s->x, s->a, (size_t)T * h);
+            attention_block(m, L, kc, vc, kv->block_size, meta, true, s->x);
+            ffn_block(m, L, T, true, s->x);
         } else { /* post-LN: x = LN(x + f(x)) */
-            attention_block(m, L, kc, vc, kv->block_size, meta, s->x, s->a);
-            be->add(be, s->x, s->a, (size_t)T * h);
+            attention_block(m, L, kc, vc, kv->block_size, meta, false, s->x);
             be->layer_norm(be, s->x, s->x, L->ln_attn_w, L->ln_attn_b, T, h, OPT_LN_EPS);
-            ffn_block(m, L, T, s->x, s->a);
-            be->add(be, s->x, s->a, (size_t)T * h);
+            ffn_block(m, L, T, false, s->x);
             be->layer_norm(be, s->x, s->x, L->ln_ffn_w, L->ln_ffn_b, T, h, OPT_LN_EPS);
         }
     }

@@ -306,6 +306,9 @@ int cpu_backend_create(int n_threads, bool baseline, pd_backend **out, pd_err *e
     be->upload_view = cpu_upload_view;
     be->sync = cpu_sync;
     be->gemm = cpu_gemm_op;
+    /* No fused linear: opt.c composes it from the ops below, so every result
+     * keeps the one reduction order those ops guarantee. */
+    be->linear = NULL;
     be->layer_norm = cpu_layer_norm;
     be->activation = cpu_activation;
     be->add = cpu_add;

@@ -22,7 +22,12 @@
  *   Y'[out,T] = W'[in,out]^T . X'[in,T]   (Y' = y^T, W' = W^T, X' = x^T)
  * which is one cublasGemmEx(op(A) = T, op(B) = N, m = out, n = T, k = in,
  * A = W lda = in, B = x ldb = x_stride, C = y ldc = out). The bias is added
- * by a small kernel afterwards. */
+ * by a small kernel afterwards.
+ *
+ * The fused `linear` op (cuda_linear.cu) has its own decode kernel and uses
+ * cuBLASLt for larger batches. cuBLAS and cuBLASLt share one workspace,
+ * allocated here once, so that neither allocates while a CUDA graph is being
+ * captured. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,7 +41,8 @@ typedef struct cuda_ctx {
     int device;
     cudaStream_t stream;
     cublasHandle_t blas;
-    void *stage; /* upload staging: raw checkpoint bytes before conversion */
+    cuda_linear_env lin; /* the linear op's cuBLASLt handle and limits */
+    void *stage;         /* upload staging: raw checkpoint bytes before conversion */
     size_t stage_bytes;
     float *f32; /* download staging: fp32 copy of a 16-bit buffer */
     size_t f32_bytes;
@@ -240,8 +246,19 @@ static void cu_layer_norm(pd_backend *be, void *y, const void *x, const void *w,
                           int rows, int dim, float eps) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
-    cuda_layer_norm(c->stream, be->dtype, y, x, w, b, rows, dim, eps);
+    cuda_layer_norm(c->stream, be->dtype, y, x, dim, w, b, rows, dim, eps);
     cu_check_launch(c, "layer_norm");
+}
+
+static void cu_linear(pd_backend *be, void *y, const void *x, int x_stride, const void *w,
+                      const void *bias, int T, int in, int out, const pd_linear_fuse *f) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    char msg[128];
+    if (cuda_linear(&c->lin, be->dtype, y, x, x_stride, w, bias, T, in, out, f, msg, sizeof msg))
+        cu_defer(c, "linear", msg);
+    else
+        cu_check_launch(c, "linear");
 }
 
 static void cu_activation(pd_backend *be, void *x, size_t n, pd_activation act) {
@@ -409,6 +426,7 @@ static void cu_destroy(pd_backend *be) {
         if (c->stream) cudaStreamSynchronize(c->stream);
         if (c->stage) cudaFree(c->stage);
         if (c->f32) cudaFree(c->f32);
+        if (c->lin.lt) cublasLtDestroy(c->lin.lt);
         if (c->blas) cublasDestroy(c->blas);
         if (c->blas_ws) cudaFree(c->blas_ws);
         if (c->attn_work) cudaFree(c->attn_work);
@@ -516,6 +534,22 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     }
     /* fp32 mode stays true fp32 (no TF32) so it matches the CPU backend. */
     cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH);
+    c->lin.stream = c->stream;
+    c->lin.blas = c->blas;
+    c->lin.workspace = c->blas_ws; /* cuBLASLt shares it: both run on c->stream, in order */
+    c->lin.workspace_bytes = ws_bytes;
+    if ((st = cublasLtCreate(&c->lin.lt)) != CUBLAS_STATUS_SUCCESS) {
+        c->lin.lt = NULL;
+        cu_destroy(be);
+        return pd_fail(err, "cuda backend: cuBLASLt init on device %d: %s", device,
+                       cublasGetStatusString(st));
+    }
+    if ((e = cuda_linear_init(&c->lin, device)) != cudaSuccess) {
+        cudaGetLastError();
+        cu_destroy(be);
+        return pd_fail(err, "cuda backend: setting up the linear kernels on device %d: %s", device,
+                       cudaGetErrorString(e));
+    }
 
     cudaDeviceProp prop;
     const char *gpu = cudaGetDeviceProperties(&prop, device) == cudaSuccess ? prop.name : "?";
@@ -535,6 +569,7 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->sync = cu_sync;
     be->mem_info = cu_mem_info;
     be->gemm = cu_gemm;
+    be->linear = cu_linear;
     be->layer_norm = cu_layer_norm;
     be->activation = cu_activation;
     be->add = cu_add;

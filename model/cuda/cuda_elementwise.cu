@@ -42,21 +42,7 @@ void cuda_bias_add(cudaStream_t s, pd_dtype dt, void *y, const void *bias, int T
     CUDA_DISPATCH(dt, E, bias_add_kernel<E><<<T, EW_THREADS, 0, s>>>((E *)y, (const E *)bias, out))
 }
 
-/* ---- activation: the same formulas as the CPU backend (exact erf GELU) ---- */
-
-__device__ __forceinline__ float act_apply(float v, pd_activation act) {
-    switch (act) {
-    case PD_ACT_RELU:
-        return v > 0.0f ? v : 0.0f;
-    case PD_ACT_GELU:
-        return 0.5f * v * (1.0f + erff(v * 0.70710678f));
-    case PD_ACT_GELU_NEW:
-        return 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)));
-    case PD_ACT_SILU:
-        return v / (1.0f + expf(-v));
-    }
-    return v;
-}
+/* ---- activation (act_apply: cuda_internal.cuh) ---- */
 
 template <typename T> __global__ void activation_kernel(T *x, size_t n, pd_activation act) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;

@@ -6,6 +6,8 @@
 #ifndef PD_CUDA_INTERNAL_CUH
 #define PD_CUDA_INTERNAL_CUH
 
+#include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -37,6 +39,21 @@ template <> __device__ __forceinline__ __half from_f32<__half>(float v) {
 }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
     return __float2bfloat16_rn(v);
+}
+
+/* The activations of backend.h, the same formulas as the CPU backend (exact erf GELU). */
+__device__ __forceinline__ float act_apply(float v, pd_activation act) {
+    switch (act) {
+    case PD_ACT_RELU:
+        return v > 0.0f ? v : 0.0f;
+    case PD_ACT_GELU:
+        return 0.5f * v * (1.0f + erff(v * 0.70710678f));
+    case PD_ACT_GELU_NEW:
+        return 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)));
+    case PD_ACT_SILU:
+        return v / (1.0f + expf(-v));
+    }
+    return v;
 }
 
 /* Run the statement(s) with T bound to the C++ type of pd_dtype dt. */
@@ -80,8 +97,9 @@ void cuda_kv_write(cudaStream_t s, pd_dtype dt, void *k_cache, void *v_cache, co
 
 /* ---- launchers (cuda_layernorm.cu, cuda_flash.cu, cuda_attention.cu) ---- */
 
-void cuda_layer_norm(cudaStream_t s, pd_dtype dt, void *y, const void *x, const void *w,
-                     const void *b, int rows, int dim, float eps);
+/* x's rows are x_stride elements apart; y is dense [rows, dim]. */
+void cuda_layer_norm(cudaStream_t s, pd_dtype dt, void *y, const void *x, int x_stride,
+                     const void *w, const void *b, int rows, int dim, float eps);
 
 /* Tensor-core attention for prefills (cuda_flash.cu), used by
  * cuda_paged_attention. _fits says, from the host-side arguments only,
@@ -120,5 +138,40 @@ void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int r
  * top_p, min_p, top_k, u (see cuda_sample.cu; backend.h's sample op). */
 void cuda_sample(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n,
                  const float *params);
+
+/* ---- the fused linear op (cuda_linear.cu) ---- */
+
+/* cuBLASLt algorithms found for one problem shape, kept so that a decode
+ * step does not pay for a heuristic query per GEMM. */
+#define CUDA_LT_CACHE 64
+typedef struct cuda_lt_entry {
+    int used;
+    int key[12];
+    cublasLtMatmulAlgo_t algo;
+} cuda_lt_entry;
+
+/* What the linear op needs of the backend, set up once at its creation. */
+typedef struct cuda_linear_env {
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    cublasLtHandle_t lt;
+    void *workspace; /* shared by cuBLAS and cuBLASLt: both run on `stream`, in order */
+    size_t workspace_bytes;
+    int sm_count;
+    int mma_ok;      /* compute capability >= 8.0: fp16/bf16 tensor-core MMA */
+    size_t smem_max; /* dynamic shared memory the small-T kernels may ask for */
+    int lt_next;     /* next cache slot to replace */
+    cuda_lt_entry lt_cache[CUDA_LT_CACHE];
+} cuda_linear_env;
+
+/* Lift the kernels' dynamic shared memory limit (once, at backend creation;
+ * not a stream operation, but better kept out of graph captures). Fills
+ * env->smem_max. */
+cudaError_t cuda_linear_init(cuda_linear_env *env, int device);
+/* backend.h `linear` on env->stream. Returns 0, or -1 with a message in msg
+ * (a cuBLAS failure); launch errors are left for cudaGetLastError. */
+int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x_stride,
+                const void *w, const void *bias, int T, int in, int out, const pd_linear_fuse *f,
+                char *msg, size_t msg_len);
 
 #endif

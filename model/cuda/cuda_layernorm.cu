@@ -1,9 +1,10 @@
 /* cuda_layernorm: y = (x - mean) / sqrt(var + eps) (* w + b), one block per
- * row. The GPU twin of ln_rows in model/cpu/cpu_backend.c: the same two
- * passes (mean, then the biased variance about it) in fp32, so the results
- * agree to rounding. Each pass re-reads the row (it is in L1/L2 by then);
- * y may equal x because each element is written only in the last pass, by
- * the thread that reads it there, after both reductions are complete. */
+ * row; x's rows may be strided (x_stride), y is dense. The GPU twin of
+ * ln_rows in model/cpu/cpu_backend.c: the same two passes (mean, then the
+ * biased variance about it) in fp32, so the results agree to rounding. Each
+ * pass re-reads the row (it is in L1/L2 by then); y may equal x (with
+ * x_stride == dim) because each element is written only in the last pass,
+ * by the thread that reads it there, after both reductions are complete. */
 #include <math.h>
 
 #include "model/cuda/cuda_internal.cuh"
@@ -30,9 +31,10 @@ __device__ float ln_block_sum(float v, float *sh) {
 }
 
 template <typename T>
-__global__ void layer_norm_kernel(T *y, const T *x, const T *w, const T *b, int dim, float eps) {
+__global__ void layer_norm_kernel(T *y, const T *x, int x_stride, const T *w, const T *b, int dim,
+                                  float eps) {
     __shared__ float sh[32];
-    const T *xr = x + (size_t)blockIdx.x * dim;
+    const T *xr = x + (size_t)blockIdx.x * x_stride;
     T *yr = y + (size_t)blockIdx.x * dim;
     float sum = 0.0f;
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
@@ -51,10 +53,10 @@ __global__ void layer_norm_kernel(T *y, const T *x, const T *w, const T *b, int 
     }
 }
 
-void cuda_layer_norm(cudaStream_t s, pd_dtype dt, void *y, const void *x, const void *w,
-                     const void *b, int rows, int dim, float eps) {
+void cuda_layer_norm(cudaStream_t s, pd_dtype dt, void *y, const void *x, int x_stride,
+                     const void *w, const void *b, int rows, int dim, float eps) {
     if (rows <= 0 || dim <= 0) return;
     CUDA_DISPATCH(dt, E,
                   layer_norm_kernel<E><<<rows, LN_THREADS, 0, s>>>(
-                      (E *)y, (const E *)x, (const E *)w, (const E *)b, dim, eps))
+                      (E *)y, (const E *)x, x_stride, (const E *)w, (const E *)b, dim, eps))
 }

@@ -14,9 +14,14 @@
  * block tables; prefill-shaped steps of up to 700 new tokens per sequence
  * after cached prefixes, which the 16-bit variants run on the tensor-core
  * kernel, with head_dim 40 for the fallback; decode-only steps; one
- * 2048-token prompt at opt-125m's 12 heads x 64, timed and printed). Plus
- * the error paths: an unknown variant, a missing device, an impossible
- * allocation.
+ * 2048-token prompt at opt-125m's 12 heads x 64, timed and printed), and
+ * the fused linear op against the CPU's ops one at a time (T = 1..300
+ * across the single-kernel limit of 8; OPT shapes and odd ones; every
+ * combination of layer norm, activation, accumulate and bias; strided x).
+ * Plus the error paths: an unknown variant, a missing device, an
+ * impossible allocation. Last, timings of the linear op at decode sizes
+ * (printed, not asserted) from CUDA graphs, which also checks that the op
+ * can be captured.
  *
  * Without a GPU (or without the CUDA build) it prints why and passes: the
  * test carries the ctest label gpu and is meant for the GPU machine. */
@@ -412,6 +417,232 @@ static void test_attention(const pair *p) {
     attention_case(p, "prompt", attn_long, NSEQ(attn_long), 16, 12, 64, 20);
 }
 
+/* ---- linear: the fused op against the CPU ops one at a time ---- */
+
+enum { LIN_LN = 1, LIN_ACT = 2, LIN_ACC = 4, LIN_BIAS = 8 };
+
+/* What opt.c runs when a backend has no linear op (its helper linear(), restated):
+ * the reference, and the unfused timing. */
+static void ref_linear(pd_backend *be, void *y, const void *x, int x_stride, const void *w,
+                       const void *bias, int T, int in, int out, const pd_linear_fuse *f) {
+    const size_t es = be->elem_size;
+    if (f->layer_norm) {
+        if (x_stride == in)
+            be->layer_norm(be, f->ln_out, x, f->ln_w, f->ln_b, T, in, f->ln_eps);
+        else /* layer_norm takes dense rows */
+            for (int t = 0; t < T; t++)
+                be->layer_norm(be, (char *)f->ln_out + (size_t)t * in * es,
+                               (const char *)x + (size_t)t * x_stride * es, f->ln_w, f->ln_b, 1, in,
+                               f->ln_eps);
+        x = f->ln_out;
+        x_stride = in;
+    }
+    void *dst = f->accumulate ? f->acc_tmp : y;
+    be->gemm(be, dst, x, x_stride, w, bias, T, in, out);
+    if (f->activate) be->activation(be, dst, (size_t)T * out, f->act);
+    if (f->accumulate) be->add(be, y, dst, (size_t)T * out);
+}
+
+/* One linear call's buffers on one backend. */
+typedef struct lin_dev {
+    void *x, *w, *bias, *ln_w, *ln_b, *y, *ln_out, *tmp;
+} lin_dev;
+
+static void lin_dev_free(pd_backend *be, lin_dev *d) {
+    void *ptrs[] = {d->x, d->w, d->bias, d->ln_w, d->ln_b, d->y, d->ln_out, d->tmp};
+    for (int i = 0; i < 8; i++)
+        be->free(be, ptrs[i]);
+}
+
+/* T x [in -> out] with the fusions in `fuse` (LIN_*); ln_plain: the layer
+ * norm without affine weights; stride: x's row stride (>= in). */
+static void linear_case(const pair *p, int T, int in, int out, int fuse, int ln_plain,
+                        pd_activation act, int stride) {
+    float *x = rand_vec((size_t)T * stride, -3, 5), *w = rand_vec((size_t)out * in, -1, 1);
+    float *bias = rand_vec(out, -1, 1), *lnw = rand_vec(in, 0.5f, 1.5f);
+    float *lnb = rand_vec(in, -1, 1), *y0 = rand_vec((size_t)T * out, -2, 2);
+    pd_backend *be[2] = {p->cpu, p->gpu};
+    lin_dev d[2];
+    for (int i = 0; i < 2; i++) {
+        pd_err err;
+        d[i].x = up_f32(be[i], x, (size_t)T * stride);
+        d[i].w = up_f32(be[i], w, (size_t)out * in);
+        d[i].bias = up_f32(be[i], bias, out);
+        d[i].ln_w = up_f32(be[i], lnw, in);
+        d[i].ln_b = up_f32(be[i], lnb, in);
+        d[i].y = up_f32(be[i], y0, (size_t)T * out);
+        d[i].ln_out = be[i]->alloc(be[i], (size_t)T * in * be[i]->elem_size, &err);
+        d[i].tmp = be[i]->alloc(be[i], (size_t)T * out * be[i]->elem_size, &err);
+        const pd_linear_fuse f = {.layer_norm = (fuse & LIN_LN) != 0,
+                                  .ln_w = ln_plain ? NULL : d[i].ln_w,
+                                  .ln_b = ln_plain ? NULL : d[i].ln_b,
+                                  .ln_eps = 1e-5f,
+                                  .ln_out = d[i].ln_out,
+                                  .activate = (fuse & LIN_ACT) != 0,
+                                  .act = act,
+                                  .accumulate = (fuse & LIN_ACC) != 0,
+                                  .acc_tmp = d[i].tmp};
+        const void *b = fuse & LIN_BIAS ? d[i].bias : NULL;
+        if (i == 0)
+            ref_linear(be[0], d[0].y, d[0].x, stride, d[0].w, b, T, in, out, &f);
+        else
+            be[1]->linear(be[1], d[1].y, d[1].x, stride, d[1].w, b, T, in, out, &f);
+    }
+    char what[128];
+    snprintf(what, sizeof what, "linear T=%d %d->%d stride=%d%s%s%s%s%s", T, in, out, stride,
+             fuse & LIN_LN ? (ln_plain ? " ln(plain)" : " ln") : "",
+             fuse & LIN_ACT ? (act == PD_ACT_RELU ? " relu" : " gelu") : "",
+             fuse & LIN_ACC ? " accumulate" : "", fuse & LIN_BIAS ? " bias" : "", "");
+    sync_ok(p, what);
+    compare(p, what, d[0].y, d[1].y, (size_t)T * out);
+    for (int i = 0; i < 2; i++)
+        lin_dev_free(be[i], &d[i]);
+    free(x), free(w), free(bias), free(lnw), free(lnb), free(y0);
+}
+
+static void test_linear(const pair *p) {
+    /* T on both sides of the single-kernel limit (8); OPT-125m's shapes and
+     * odd ones (rows that are no multiple of 16 bytes: the scalar paths). */
+    const int Ts[] = {1, 2, 3, 8, 9, 64, 300};
+    const int shapes[][2] = {{768, 2304}, {768, 3072}, {3072, 768}, {80, 200}, {83, 37}, {5, 9}};
+    int k = 0;
+    for (size_t a = 0; a < sizeof Ts / sizeof Ts[0]; a++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            const int T = Ts[a], in = shapes[s][0], out = shapes[s][1];
+            /* Every combination where the case is cheap; else the model's
+             * three (qkv: ln+bias, fc1: ln+act+bias, residual: acc+bias)
+             * and one more that moves along the combinations. */
+            const int small = (double)T * in * out <= 4e6;
+            const int model[] = {LIN_LN | LIN_BIAS, LIN_LN | LIN_ACT | LIN_BIAS, LIN_ACC | LIN_BIAS,
+                                 0};
+            const int n = small ? 16 : 4;
+            for (int c = 0; c < n; c++, k++) {
+                const int fuse = small ? c : c < 3 ? model[c] : (k * 7) % 16;
+                /* x's stride: dense, padded keeping 16-byte rows, or padded off them */
+                const int stride = in + (k % 3 == 0 ? 0 : k % 3 == 1 ? 8 : 3);
+                const pd_activation act = k % 5 == 4 ? PD_ACT_GELU : PD_ACT_RELU;
+                linear_case(p, T, in, out, fuse, k % 4 == 3, act, stride);
+            }
+        }
+}
+
+/* ---- linear timing (printed, not asserted) ----
+ * Decode-sized calls, 64 of them captured into one CUDA graph (which also
+ * checks that the op queues nothing a capture refuses), replayed and
+ * timed. The weights rotate through enough copies to exceed L2,
+ * as a forward pass's layers do, so the GB/s are HBM streaming. The same for
+ * the unfused ops (layer_norm, gemm, activation, add) for comparison. */
+
+#define TIME_CALLS 64
+
+typedef struct timed_linear {
+    pd_backend *be;
+    lin_dev d;
+    char *w_copies;
+    int n_copies;
+    int T, in, out, fuse;
+} timed_linear;
+
+static void timed_run(const timed_linear *tl, int fused) {
+    const pd_linear_fuse f = {.layer_norm = (tl->fuse & LIN_LN) != 0,
+                              .ln_w = tl->d.ln_w,
+                              .ln_b = tl->d.ln_b,
+                              .ln_eps = 1e-5f,
+                              .ln_out = tl->d.ln_out,
+                              .activate = (tl->fuse & LIN_ACT) != 0,
+                              .act = PD_ACT_RELU,
+                              .accumulate = (tl->fuse & LIN_ACC) != 0,
+                              .acc_tmp = tl->d.tmp};
+    const size_t wbytes = (size_t)tl->in * tl->out * tl->be->elem_size;
+    for (int i = 0; i < TIME_CALLS; i++) {
+        const void *w = tl->w_copies + (size_t)(i % tl->n_copies) * wbytes;
+        if (fused)
+            tl->be->linear(tl->be, tl->d.y, tl->d.x, tl->in, w, tl->d.bias, tl->T, tl->in, tl->out,
+                           &f);
+        else
+            ref_linear(tl->be, tl->d.y, tl->d.x, tl->in, w, tl->d.bias, tl->T, tl->in, tl->out, &f);
+    }
+}
+
+/* Microseconds per call, or -1 when the capture failed (reported). The
+ * host clock around replays that fill the stream (the backend's own) and a
+ * sync measures the GPU's time for them. */
+static double graph_us(const timed_linear *tl, int fused) {
+    pd_backend *be = tl->be;
+    pd_err err;
+    void *graph = NULL;
+    const int reps = 10;
+    double us = -1;
+    if (be->graph_begin(be, &err) != 0) goto out;
+    timed_run(tl, fused);
+    if (be->graph_end(be, &graph, &err) != 0) goto out;
+    if (be->graph_launch(be, graph, &err) != 0 || be->sync(be, &err) != 0) goto out; /* warm-up */
+    const double t0 = pd_now();
+    for (int r = 0; r < reps; r++)
+        if (be->graph_launch(be, graph, &err) != 0) goto out;
+    if (be->sync(be, &err) != 0) goto out;
+    us = (pd_now() - t0) * 1e6 / (reps * TIME_CALLS);
+out:
+    if (us < 0) fprintf(stderr, "%s: %s\n", be->name, err.msg);
+    be->graph_free(be, graph);
+    return us;
+}
+
+static void time_linear(const char *variant) {
+    pd_backend *be = NULL;
+    pd_err err;
+    if (pd_backend_create(variant, 0, &be, &err) != 0) return;
+    /* OPT-125m's qkv, fc1, fc2, then OPT-1.3b's. */
+    const int shapes[][3] = {{768, 2304, LIN_LN | LIN_BIAS},
+                             {768, 3072, LIN_LN | LIN_ACT | LIN_BIAS},
+                             {3072, 768, LIN_ACC | LIN_BIAS},
+                             {2048, 6144, LIN_LN | LIN_BIAS},
+                             {2048, 8192, LIN_LN | LIN_ACT | LIN_BIAS},
+                             {8192, 2048, LIN_ACC | LIN_BIAS}};
+    const int Ts[] = {1, 4, 8};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (size_t a = 0; a < sizeof Ts / sizeof Ts[0]; a++) {
+            timed_linear tl = {.be = be,
+                               .T = Ts[a],
+                               .in = shapes[s][0],
+                               .out = shapes[s][1],
+                               .fuse = shapes[s][2]};
+            const size_t wn = (size_t)tl.in * tl.out, wbytes = wn * be->elem_size;
+            tl.n_copies = (int)((256u << 20) / wbytes) + 1; /* > 4x the H200's 60 MB L2 */
+            if (tl.n_copies > TIME_CALLS) tl.n_copies = TIME_CALLS;
+            float *w = rand_vec(wn, -1, 1), *x = rand_vec((size_t)tl.T * tl.in, -3, 5);
+            float *v = rand_vec(tl.out > tl.in ? tl.out : tl.in, 0.5f, 1.5f);
+            tl.w_copies = be->alloc(be, wbytes * tl.n_copies, &err);
+            CHECKF(tl.w_copies != NULL, "%s", err.msg);
+            if (!tl.w_copies) break;
+            pd_view wv = {w, PD_F32, tl.out, tl.in};
+            for (int c = 0; c < tl.n_copies; c++)
+                be->upload_view(be, tl.w_copies + (size_t)c * wbytes, &wv, &err);
+            tl.d.x = up_f32(be, x, (size_t)tl.T * tl.in);
+            tl.d.bias = up_f32(be, v, tl.out);
+            tl.d.ln_w = up_f32(be, v, tl.in);
+            tl.d.ln_b = up_f32(be, v, tl.in);
+            tl.d.y = be->alloc(be, (size_t)tl.T * tl.out * be->elem_size, &err);
+            tl.d.ln_out = be->alloc(be, (size_t)tl.T * tl.in * be->elem_size, &err);
+            tl.d.tmp = be->alloc(be, (size_t)tl.T * tl.out * be->elem_size, &err);
+            const double fused = graph_us(&tl, 1), plain = graph_us(&tl, 0);
+            CHECKF(fused > 0, "%s linear T=%d %d->%d: CUDA graph capture failed", variant, tl.T,
+                   tl.in, tl.out);
+            printf("%-9s linear T=%d %5d->%-5d %-12s fused %7.2f us %6.0f GB/s | unfused %7.2f us "
+                   "%6.0f GB/s\n",
+                   variant, tl.T, tl.in, tl.out,
+                   tl.fuse == (LIN_LN | LIN_BIAS)             ? "ln+bias"
+                   : tl.fuse == (LIN_LN | LIN_ACT | LIN_BIAS) ? "ln+relu+bias"
+                                                              : "acc+bias",
+                   fused, wbytes / (fused * 1e3), plain, wbytes / (plain * 1e3));
+            CHECKF(be->sync(be, &err) == 0, "%s", err.msg);
+            lin_dev_free(be, &tl.d);
+            be->free(be, tl.w_copies);
+            free(w), free(x), free(v);
+        }
+    pd_backend_destroy(be);
+}
+
 /* ---- errors ---- */
 
 static void test_errors(void) {
@@ -526,6 +757,7 @@ static void run_variant(const char *variant, double tol) {
     CHECKF(pd_backend_create(variant, 0, &p.gpu, &err) == 0, "%s: %s", variant, err.msg);
     if (p.cpu && p.gpu) {
         test_gemm(&p);
+        test_linear(&p);
         test_layer_norm(&p);
         test_elementwise(&p);
         test_rows(&p);
@@ -552,6 +784,9 @@ int main(void) {
      * significant digits against the fp32 reference. */
     run_variant("cuda-fp16", 1e-2);
     run_variant("cuda-bf16", 4e-2);
+    time_linear("cuda");
+    time_linear("cuda-fp16");
+    time_linear("cuda-bf16");
     return test_finish();
 #endif
 }

@@ -1,0 +1,541 @@
+/* cuda_linear: the fused linear op of backend.h,
+ *   y (+)= act(LN(x) . W^T + bias)
+ * with the layer norm, the activation and the accumulation (a residual add)
+ * each optional (pd_linear_fuse).
+ *
+ * Small T (decode, T <= LIN_MAX_T): ONE kernel does everything. Streaming W
+ * is the whole cost there, so the kernel is built around reading W once at
+ * close to memory bandwidth:
+ *  - A block owns NTILE tiles of 8 output features (8 rows of W) and its 8
+ *    warps split the input dimension between them; each warp reads its
+ *    share of its tile's 8 rows in 16-byte loads (lane l: row l / 4, 16
+ *    bytes at (l % 4) * 16 of each chunk of 64 bytes), and the partial sums
+ *    of the warps are added in shared memory at the end, in a fixed order.
+ *  - The block first copies the T rows of x into shared memory and, when
+ *    asked, normalises them there (one warp per row, two fp32 passes as the
+ *    layer_norm kernel). Every block redoes this: x is at most a few tens of
+ *    KiB and sits in L2, which is cheaper than a second launch. The block's
+ *    first weight loads are issued before it, so the two latencies overlap.
+ *  - fp16/bf16: the products are tensor-core MMAs (m16n8k16) with x as the
+ *    16-row operand (tokens 0..7, rows 8..15 zero) and W as the 8-column
+ *    one, fp32 accumulation. The MMA's order of k within a 16-wide step does
+ *    not matter to a dot product, so each lane feeds it the 8 contiguous
+ *    elements of its 16-byte load (2 steps), and reads x with the same
+ *    permutation.
+ *  - fp32 (and 16-bit shapes whose rows are not 16-byte aligned): the same
+ *    tiling with fp32 FMAs; no TF32, so "cuda" stays comparable to the CPU.
+ *  - The epilogue adds the bias, applies the activation and adds y when
+ *    accumulating, in fp32, and rounds once to the storage type.
+ *
+ * Larger T (prefill): the layer norm kernel into f->ln_out, then one
+ * cublasLtMatmul with the bias (and ReLU) in its epilogue and beta = 1 on y
+ * for accumulate. What the epilogue cannot do (an activation other than
+ * ReLU, an activation before an accumulation) is done by the element-wise
+ * kernels afterwards. If cuBLASLt fails (no algorithm for a shape), cublasGemmEx
+ * and the element-wise kernels do it.
+ *
+ * Nothing here allocates, synchronises or reads device memory on the host,
+ * so the op can be captured into a CUDA graph. */
+#include <stdio.h>
+#include <string.h>
+
+#include "model/cuda/cuda_internal.cuh"
+
+#define LIN_WARPS 8
+#define LIN_THREADS (LIN_WARPS * 32)
+#define LIN_MAX_T 8  /* T handled by the single kernel; the MMA's 8 columns */
+#define LIN_UNROLL 4 /* 16-byte weight loads in flight per lane */
+
+/* One call's arguments, by value to the kernel. */
+struct lin_params {
+    void *y;
+    const void *x, *w, *bias, *ln_w, *ln_b;
+    int x_stride, T, in, out;
+    int in_pad; /* row length of x in shared memory (see lin_in_pad) */
+    float ln_eps;
+    int layer_norm, activate, accumulate;
+    int vec_x, vec_w; /* x rows / W rows may be read in 16-byte pieces */
+    pd_activation act;
+};
+
+/* Shared-memory row length for x: a multiple of 64 elements past `in`
+ * (zero-filled, so the last chunk of a row needs no bounds check) plus 32,
+ * so that 16-bit rows start 64 bytes apart modulo 128 and the MMA's x reads
+ * (8 rows x 64 bytes per warp) are free of bank conflicts. */
+static int lin_in_pad(int in) {
+    return (in + 63) / 64 * 64 + 32;
+}
+
+__device__ __forceinline__ float lin_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* 16 bytes of storage elements widened to floats (4 or 8). */
+__device__ __forceinline__ void lin_widen(const uint4 &v, float *f, float) {
+    f[0] = __uint_as_float(v.x), f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z), f[3] = __uint_as_float(v.w);
+}
+__device__ __forceinline__ void lin_widen(const uint4 &v, float *f, __half) {
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < 4; i++) {
+        __half2 h;
+        memcpy(&h, &u[i], 4);
+        const float2 p = __half22float2(h);
+        f[2 * i] = p.x, f[2 * i + 1] = p.y;
+    }
+}
+__device__ __forceinline__ void lin_widen(const uint4 &v, float *f, __nv_bfloat16) {
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < 4; i++) {
+        __nv_bfloat162 h;
+        memcpy(&h, &u[i], 4);
+        const float2 p = __bfloat1622float2(h);
+        f[2 * i] = p.x, f[2 * i + 1] = p.y;
+    }
+}
+
+/* x's T rows into shared memory xs ([T, in_pad] of S, zero past `in`), then
+ * the layer norm in place when asked. Ends with the block synchronised. */
+template <typename E, typename S> __device__ void lin_stage_x(const lin_params &p, S *xs) {
+    const E *x = (const E *)p.x;
+    bool copied = false;
+    if constexpr (sizeof(S) == sizeof(E)) {
+        if (p.vec_x) { /* 16-byte pieces, no conversion */
+            constexpr int V = 16 / sizeof(E);
+            const int per_row = p.in_pad / V;
+            for (int i = threadIdx.x; i < p.T * per_row; i += blockDim.x) {
+                const int t = i / per_row, k = (i - t * per_row) * V;
+                uint4 v = make_uint4(0, 0, 0, 0);
+                if (k < p.in) v = __ldg((const uint4 *)(x + (size_t)t * p.x_stride + k));
+                *(uint4 *)(xs + (size_t)t * p.in_pad + k) = v;
+            }
+            copied = true;
+        }
+    }
+    if (!copied)
+        for (int i = threadIdx.x; i < p.T * p.in_pad; i += blockDim.x) {
+            const int t = i / p.in_pad, k = i - t * p.in_pad;
+            xs[i] = from_f32<S>(k < p.in ? to_f32(x[(size_t)t * p.x_stride + k]) : 0.0f);
+        }
+    __syncthreads();
+    if (!p.layer_norm) return;
+    const int lane = threadIdx.x & 31;
+    const E *lw = (const E *)p.ln_w, *lb = (const E *)p.ln_b;
+    for (int t = threadIdx.x >> 5; t < p.T; t += LIN_WARPS) {
+        S *row = xs + (size_t)t * p.in_pad;
+        float sum = 0.0f;
+        for (int k = lane; k < p.in; k += 32)
+            sum += to_f32(row[k]);
+        const float mean = lin_warp_sum(sum) / (float)p.in;
+        float ss = 0.0f;
+        for (int k = lane; k < p.in; k += 32) {
+            const float d = to_f32(row[k]) - mean;
+            ss += d * d;
+        }
+        const float rstd = 1.0f / sqrtf(lin_warp_sum(ss) / (float)p.in + p.ln_eps);
+        for (int k = lane; k < p.in; k += 32) {
+            float v = (to_f32(row[k]) - mean) * rstd;
+            if (lw) v = v * to_f32(lw[k]) + to_f32(lb[k]);
+            row[k] = from_f32<S>(v);
+        }
+    }
+    __syncthreads();
+}
+
+/* red[warp][t * 8 + r]: warp's partial sum for token t, row r of its tile.
+ * Adds the warps of each tile in order, then bias, activation, accumulate. */
+template <typename E, int NTILE>
+__device__ void lin_epilogue(const lin_params &p, const float *red) {
+    constexpr int KS = LIN_WARPS / NTILE;
+    if (threadIdx.x >= NTILE * 64) return;
+    const int tile = threadIdx.x >> 6, e = threadIdx.x & 63, t = e >> 3;
+    const int row = (blockIdx.x * NTILE + tile) * 8 + (e & 7);
+    if (t >= p.T || row >= p.out) return;
+    float v = 0.0f;
+#pragma unroll
+    for (int kw = 0; kw < KS; kw++)
+        v += red[(tile * KS + kw) * 64 + e];
+    if (p.bias) v += to_f32(((const E *)p.bias)[row]);
+    if (p.activate) v = act_apply(v, p.act);
+    E *y = (E *)p.y + (size_t)t * p.out + row;
+    if (p.accumulate) v += to_f32(*y);
+    *y = from_f32<E>(v);
+}
+
+/* ---- fp16 / bf16: tensor-core MMA ---- */
+
+/* c += A . B for one m16n8k16 step, A's rows 8..15 zero (a1 = a3 = 0). */
+__device__ __forceinline__ void lin_mma(float *c, uint32_t a0, uint32_t a2, uint32_t b0,
+                                        uint32_t b1, __half) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+#else
+    __trap(); /* the host only picks this kernel on compute capability >= 8.0 */
+#endif
+}
+__device__ __forceinline__ void lin_mma(float *c, uint32_t a0, uint32_t a2, uint32_t b0,
+                                        uint32_t b1, __nv_bfloat16) {
+#if __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
+/* Lane (g, q) = (lane / 4, lane % 4) of warp (tile, kw). Chunk c covers
+ * input elements [32c, 32c + 32) of the tile's 8 rows; the lane loads
+ * elements 32c + 8q .. +8 of row g. Its MMA fragments then are (PTX ISA,
+ * m16n8k16): A = x, a0/a2 = token g, logical k 2q..2q+1 / 2q+8..2q+9;
+ * B = W^T, b0/b1 = row g, the same k; D: c0/c1 = token g, rows 2q, 2q+1.
+ * Logical k (2q + {0,1}, 2q + 8 + {0,1}) of step s is physical element
+ * 8q + 4s + ({0,1}, {2,3}) of the chunk, for A and B alike. */
+template <typename E, int NTILE>
+__global__ void __launch_bounds__(LIN_THREADS) linear_mma_kernel(lin_params p) {
+    constexpr int KS = LIN_WARPS / NTILE; /* warps sharing one tile's k range */
+    extern __shared__ uint4 lin_dyn[];
+    __shared__ float red[LIN_WARPS * 64];
+    E *xs = (E *)lin_dyn;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, q = lane & 3, tile = warp / KS, kw = warp % KS;
+    const int row = (blockIdx.x * NTILE + tile) * 8 + g;
+    const int n_chunks = (p.in + 31) / 32;
+    const int mine = kw < n_chunks ? (n_chunks - kw + KS - 1) / KS : 0; /* chunks kw, kw+KS.. */
+    const bool row_ok = row < p.out;
+    const E *wrow = (const E *)p.w + (size_t)(row_ok ? row : 0) * p.in + q * 8;
+    const int kmax = p.in - q * 8; /* in % 8 == 0 here: k < kmax means all 8 are inside */
+
+    uint4 wv[LIN_UNROLL];
+    auto load_w = [&](int i0) {
+#pragma unroll
+        for (int u = 0; u < LIN_UNROLL; u++) {
+            const int k = (kw + KS * (i0 + u)) * 32;
+            wv[u] = row_ok && i0 + u < mine && k < kmax ? __ldg((const uint4 *)(wrow + k))
+                                                        : make_uint4(0, 0, 0, 0);
+        }
+    };
+    load_w(0); /* in flight while x is staged */
+    lin_stage_x<E, E>(p, xs);
+
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const E *xrow = xs + (size_t)g * p.in_pad + q * 8;
+    const bool tok_ok = g < p.T;
+    for (int i0 = 0; i0 < mine; i0 += LIN_UNROLL) {
+        if (i0) load_w(i0);
+#pragma unroll
+        for (int u = 0; u < LIN_UNROLL; u++) {
+            if (i0 + u >= mine) break;
+            const int k = (kw + KS * (i0 + u)) * 32;
+            const uint4 xv = tok_ok ? *(const uint4 *)(xrow + k) : make_uint4(0, 0, 0, 0);
+            lin_mma(c, xv.x, xv.y, wv[u].x, wv[u].y, E());
+            lin_mma(c, xv.z, xv.w, wv[u].z, wv[u].w, E());
+        }
+    }
+    red[warp * 64 + lane * 2] = c[0]; /* token g, rows 2q and 2q + 1: index g * 8 + 2q */
+    red[warp * 64 + lane * 2 + 1] = c[1];
+    __syncthreads();
+    lin_epilogue<E, NTILE>(p, red);
+}
+
+/* ---- fp32 (and unaligned 16-bit rows): CUDA-core FMAs ----
+ * The same tiling; a chunk is 4 lanes x V elements (16 bytes of fp32, or 8
+ * 16-bit elements). Lanes of one q read the same x, a shared-memory
+ * broadcast. x is kept in fp32 in shared memory. */
+template <typename E, int NTILE>
+__global__ void __launch_bounds__(LIN_THREADS) linear_simt_kernel(lin_params p) {
+    constexpr int KS = LIN_WARPS / NTILE;
+    constexpr int V = 16 / sizeof(E), CW = 4 * V;
+    extern __shared__ uint4 lin_dyn[];
+    __shared__ float red[LIN_WARPS * 64];
+    float *xs = (float *)lin_dyn;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, q = lane & 3, tile = warp / KS, kw = warp % KS;
+    const int row = (blockIdx.x * NTILE + tile) * 8 + g;
+    const int n_chunks = (p.in + CW - 1) / CW;
+    const int mine = kw < n_chunks ? (n_chunks - kw + KS - 1) / KS : 0;
+    const bool row_ok = row < p.out;
+    const E *wrow = (const E *)p.w + (size_t)(row_ok ? row : 0) * p.in + q * V;
+    const int kmax = p.in - q * V;
+
+    float wf[LIN_UNROLL][V];
+    auto load_w = [&](int i0) {
+#pragma unroll
+        for (int u = 0; u < LIN_UNROLL; u++) {
+            const int k = (kw + KS * (i0 + u)) * CW;
+            const bool ok = row_ok && i0 + u < mine;
+            if (p.vec_w) {
+                const uint4 v =
+                    ok && k < kmax ? __ldg((const uint4 *)(wrow + k)) : make_uint4(0, 0, 0, 0);
+                lin_widen(v, wf[u], E());
+            } else {
+#pragma unroll
+                for (int j = 0; j < V; j++)
+                    wf[u][j] = ok && k + j < kmax ? to_f32(wrow[k + j]) : 0.0f;
+            }
+        }
+    };
+    load_w(0);
+    lin_stage_x<E, float>(p, xs);
+
+    float acc[LIN_MAX_T];
+#pragma unroll
+    for (int t = 0; t < LIN_MAX_T; t++)
+        acc[t] = 0.0f;
+    const float *xcol = xs + q * V;
+    for (int i0 = 0; i0 < mine; i0 += LIN_UNROLL) {
+        if (i0) load_w(i0);
+#pragma unroll
+        for (int u = 0; u < LIN_UNROLL; u++) {
+            if (i0 + u >= mine) break;
+            const int k = (kw + KS * (i0 + u)) * CW;
+#pragma unroll
+            for (int t = 0; t < LIN_MAX_T; t++) {
+                if (t >= p.T) break;
+                const float4 *xr = (const float4 *)(xcol + (size_t)t * p.in_pad + k);
+                float s = acc[t];
+#pragma unroll
+                for (int j = 0; j < V / 4; j++) {
+                    const float4 xv = xr[j];
+                    s = fmaf(wf[u][4 * j], xv.x, s);
+                    s = fmaf(wf[u][4 * j + 1], xv.y, s);
+                    s = fmaf(wf[u][4 * j + 2], xv.z, s);
+                    s = fmaf(wf[u][4 * j + 3], xv.w, s);
+                }
+                acc[t] = s;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < LIN_MAX_T; t++) {
+        acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], 1);
+        acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], 2);
+        if (t < p.T && (t & 3) == q) red[warp * 64 + t * 8 + g] = acc[t];
+    }
+    __syncthreads();
+    lin_epilogue<E, NTILE>(p, red);
+}
+
+/* ---- host side ---- */
+
+template <typename E, int NTILE> static void *lin_kernel(bool mma) {
+    if constexpr (sizeof(E) == 2)
+        if (mma) return (void *)linear_mma_kernel<E, NTILE>;
+    return (void *)linear_simt_kernel<E, NTILE>;
+}
+
+static void *lin_kernel_for(pd_dtype dt, bool mma, int ntile) {
+    CUDA_DISPATCH(dt, E,
+                  return ntile == 4   ? lin_kernel<E, 4>(mma)
+                         : ntile == 2 ? lin_kernel<E, 2>(mma)
+                                      : lin_kernel<E, 1>(mma))
+    return NULL;
+}
+
+cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
+    int optin = 0, major = 0;
+    cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&env->sm_count, cudaDevAttrMultiProcessorCount, device);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (e != cudaSuccess) return e;
+    env->mma_ok = major >= 8;
+    /* The kernels' static shared memory (the partial sums) comes off the top. */
+    env->smem_max = (size_t)optin > 4096 ? (size_t)optin - 4096 : 0;
+    const pd_dtype dts[] = {PD_F32, PD_F16, PD_BF16};
+    for (int d = 0; d < 3; d++)
+        for (int mma = 0; mma < 2; mma++)
+            for (int ntile = 1; ntile <= 4; ntile *= 2) {
+                e = cudaFuncSetAttribute(lin_kernel_for(dts[d], mma, ntile),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)env->smem_max);
+                if (e != cudaSuccess) return e;
+            }
+    return cudaSuccess;
+}
+
+static int lin_aligned16(const void *p) {
+    return ((uintptr_t)p & 15) == 0;
+}
+
+/* The single-kernel path; false when the call does not fit it. */
+static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base) {
+    lin_params p = base;
+    if (p.T > LIN_MAX_T) return false;
+    const size_t es = pd_dtype_size(dt);
+    const bool w_vec = lin_aligned16(p.w) && (p.in * es) % 16 == 0;
+    const bool mma = dt != PD_F32 && env->mma_ok && w_vec;
+    p.in_pad = lin_in_pad(p.in);
+    const size_t smem = (size_t)p.T * p.in_pad * (mma ? es : sizeof(float));
+    if (smem > env->smem_max) return false;
+    p.vec_w = w_vec;
+    /* 16-byte x copies only where shared memory keeps the storage type. */
+    p.vec_x = (mma || dt == PD_F32) && lin_aligned16(p.x) && (p.x_stride * es) % 16 == 0 &&
+              (p.in * es) % 16 == 0;
+    /* More tiles per block share one copy of x (less L2 traffic as T
+     * grows), fewer give more blocks (better spread over the SMs). */
+    int ntile = p.T <= 2 ? 1 : p.T <= 4 ? 2 : 4;
+    while (ntile > 1 && (p.out + 8 * ntile - 1) / (8 * ntile) < env->sm_count)
+        ntile /= 2;
+    const unsigned blocks = (unsigned)((p.out + 8 * ntile - 1) / (8 * ntile));
+    void *k = lin_kernel_for(dt, mma, ntile);
+    void *args[] = {&p};
+    cudaLaunchKernel(k, dim3(blocks), dim3(LIN_THREADS), args, smem,
+                     env->stream); /* errors: cudaGetLastError */
+    return true;
+}
+
+/* ---- large T: layer norm, then cuBLASLt (or cublasGemmEx) ---- */
+
+static cudaDataType lin_cuda_type(pd_dtype t) {
+    return t == PD_F16 ? CUDA_R_16F : t == PD_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+}
+
+/* Largest power of two (<= 256) dividing the address and the row pitch:
+ * what cuBLASLt may assume of a matrix. */
+static uint32_t lin_alignment(const void *p, size_t pitch_bytes) {
+    const uintptr_t a = (uintptr_t)p | pitch_bytes;
+    uint32_t al = 256;
+    while (al > 1 && (a & (al - 1)))
+        al >>= 1;
+    return al;
+}
+
+/* y(+)= x W^T (+ bias, relu per epi) through cuBLASLt. Returns the status;
+ * CUBLAS_STATUS_NOT_SUPPORTED when no algorithm takes the problem. Nothing
+ * is queued unless it returns success. */
+static cublasStatus_t lin_lt(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int ldx,
+                             const void *w, const void *bias, int T, int in, int out,
+                             cublasLtEpilogue_t epi, int beta_one) {
+    const size_t es = pd_dtype_size(dt);
+    const uint32_t al_a = lin_alignment(w, in * es), al_b = lin_alignment(x, (size_t)ldx * es);
+    const uint32_t al_c = lin_alignment(y, out * es);
+    const int key[12] = {(int)dt,  T,         in,        out,       ldx,          (int)epi,
+                         beta_one, (int)al_a, (int)al_b, (int)al_c, bias != NULL, 1};
+    const cudaDataType t = lin_cuda_type(dt);
+    cublasLtMatmulDesc_t op = NULL;
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    /* Column-major view (see cuda_backend.cu): y^T[out,T] = (W^T)^T[out,in] . x^T[in,T]. */
+    cublasStatus_t st = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi);
+    if (st == CUBLAS_STATUS_SUCCESS && bias)
+        st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                            sizeof bias);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatrixLayoutCreate(&la, t, in, out, in);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatrixLayoutCreate(&lb, t, in, T, ldx);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatrixLayoutCreate(&lc, t, out, T, out);
+
+    cuda_lt_entry *hit = NULL;
+    for (int i = 0; i < CUDA_LT_CACHE && st == CUBLAS_STATUS_SUCCESS; i++)
+        if (env->lt_cache[i].used && !memcmp(env->lt_cache[i].key, key, sizeof key)) {
+            hit = &env->lt_cache[i];
+            break;
+        }
+    if (st == CUBLAS_STATUS_SUCCESS && !hit) {
+        const uint64_t ws = env->workspace_bytes;
+        st = cublasLtMatmulPreferenceCreate(&pref);
+        const cublasLtMatmulPreferenceAttributes_t which[] = {
+            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+        const uint32_t values[] = {al_a, al_b, al_c, al_c};
+        if (st == CUBLAS_STATUS_SUCCESS)
+            st = cublasLtMatmulPreferenceSetAttribute(
+                pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+        for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; i++)
+            st = cublasLtMatmulPreferenceSetAttribute(pref, which[i], &values[i], sizeof values[i]);
+        cublasLtMatmulHeuristicResult_t res;
+        int n = 0;
+        if (st == CUBLAS_STATUS_SUCCESS)
+            st = cublasLtMatmulAlgoGetHeuristic(env->lt, op, la, lb, lc, lc, pref, 1, &res, &n);
+        if (st == CUBLAS_STATUS_SUCCESS && n < 1) st = CUBLAS_STATUS_NOT_SUPPORTED;
+        if (st == CUBLAS_STATUS_SUCCESS) {
+            hit = &env->lt_cache[env->lt_next];
+            env->lt_next = (env->lt_next + 1) % CUDA_LT_CACHE;
+            hit->used = 1;
+            memcpy(hit->key, key, sizeof key);
+            hit->algo = res.algo;
+        }
+    }
+    if (st == CUBLAS_STATUS_SUCCESS) {
+        const float alpha = 1.0f, beta = beta_one ? 1.0f : 0.0f;
+        st = cublasLtMatmul(env->lt, op, &alpha, w, la, x, lb, &beta, y, lc, y, lc, &hit->algo,
+                            env->workspace, env->workspace_bytes, env->stream);
+    }
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+    return st;
+}
+
+/* The same product through cublasGemmEx, the bias by the bias kernel:
+ * for shapes cuBLASLt has no algorithm for. */
+static cublasStatus_t lin_gemm_ex(cuda_linear_env *env, pd_dtype dt, void *y, const void *x,
+                                  int ldx, const void *w, const void *bias, int T, int in, int out,
+                                  int beta_one) {
+    const float one = 1.0f, beta = beta_one ? 1.0f : 0.0f;
+    const cudaDataType t = lin_cuda_type(dt);
+    cublasStatus_t st =
+        cublasGemmEx(env->blas, CUBLAS_OP_T, CUBLAS_OP_N, out, T, in, &one, w, t, in, x, t, ldx,
+                     &beta, y, t, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (st == CUBLAS_STATUS_SUCCESS && bias) cuda_bias_add(env->stream, dt, y, bias, T, out);
+    return st;
+}
+
+int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x_stride,
+                const void *w, const void *bias, int T, int in, int out, const pd_linear_fuse *f,
+                char *msg, size_t msg_len) {
+    if (T <= 0 || out <= 0 || in <= 0) return 0;
+    lin_params p;
+    memset(&p, 0, sizeof p);
+    p.y = y, p.x = x, p.w = w, p.bias = bias;
+    p.x_stride = x_stride, p.T = T, p.in = in, p.out = out;
+    p.layer_norm = f->layer_norm, p.ln_w = f->ln_w, p.ln_b = f->ln_b, p.ln_eps = f->ln_eps;
+    p.activate = f->activate, p.act = f->act, p.accumulate = f->accumulate;
+    if (lin_small(env, dt, p)) return 0;
+
+    if (f->layer_norm) {
+        cuda_layer_norm(env->stream, dt, f->ln_out, x, x_stride, f->ln_w, f->ln_b, T, in,
+                        f->ln_eps);
+        x = f->ln_out;
+        x_stride = in;
+    }
+    /* An activation must see the product before y is added: then the
+     * product goes to acc_tmp and is added afterwards. */
+    const bool via_tmp = f->accumulate && f->activate;
+    void *dst = via_tmp ? f->acc_tmp : y;
+    const bool relu_in_epi = f->activate && f->act == PD_ACT_RELU;
+    const int beta_one = f->accumulate && !via_tmp;
+    const cublasLtEpilogue_t epi =
+        bias ? (relu_in_epi ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_BIAS)
+             : (relu_in_epi ? CUBLASLT_EPILOGUE_RELU : CUBLASLT_EPILOGUE_DEFAULT);
+    bool act_done = relu_in_epi;
+    cublasStatus_t st = lin_lt(env, dt, dst, x, x_stride, w, bias, T, in, out, epi, beta_one);
+    if (st != CUBLAS_STATUS_SUCCESS) { /* nothing was queued: do it the plain way */
+        st = lin_gemm_ex(env, dt, dst, x, x_stride, w, bias, T, in, out, beta_one);
+        act_done = false;
+    }
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        snprintf(msg, msg_len, "cuBLASLt matmul (T=%d, in=%d, out=%d): %s", T, in, out,
+                 cublasGetStatusString(st));
+        return -1;
+    }
+    if (f->activate && !act_done) cuda_activation(env->stream, dt, dst, (size_t)T * out, f->act);
+    if (via_tmp) cuda_add(env->stream, dt, y, dst, (size_t)T * out);
+    return 0;
+}
