@@ -408,24 +408,29 @@ static void engine_publish_stats(engine *e) {
     pthread_mutex_unlock(&e->mu);
 }
 
+/* Grow the per-row step outputs (logits, device picks, sampling
+ * parameters) together to at least rows rows. */
+static int engine_reserve_rows(engine *e, int rows, pd_err *err) {
+    if (rows <= e->logits_rows) return 0;
+    float *nl = realloc(e->logits, sizeof(float) * (size_t)e->vocab * (size_t)rows);
+    if (nl) e->logits = nl;
+    int32_t *ni = nl ? realloc(e->ids, sizeof(int32_t) * (size_t)rows) : NULL;
+    if (ni) e->ids = ni;
+    float *np = ni ? realloc(e->sample_params, sizeof(float) * 5 * (size_t)rows) : NULL;
+    if (np) e->sample_params = np;
+    if (!nl || !ni || !np) return pd_fail(err, "out of memory for the outputs of %d sequences", rows);
+    e->logits_rows = rows;
+    return 0;
+}
+
 /* Run one scheduled step: forward, sample, finish. */
 static void engine_step(engine *e, sched_batch *b) {
     pd_err err = {{0}};
     int rows = 0;
     for (int i = 0; i < b->n; i++) rows += b->steps[i].want_logits;
-    if (rows > e->logits_rows) {
-        float *nl = realloc(e->logits, sizeof(float) * (size_t)e->vocab * (size_t)rows);
-        if (nl) e->logits = nl;
-        int32_t *ni = nl ? realloc(e->ids, sizeof(int32_t) * (size_t)rows) : NULL;
-        if (ni) e->ids = ni;
-        float *np = ni ? realloc(e->sample_params, sizeof(float) * 5 * (size_t)rows) : NULL;
-        if (np) e->sample_params = np;
-        if (!nl || !ni || !np) {
-            pd_fail(&err, "out of memory for logits");
-            for (int i = 0; i < b->n; i++) scheduler_finish(e->sched, b->seqs[i], FINISH_ERROR, err.msg);
-            return;
-        }
-        e->logits_rows = rows;
+    if (engine_reserve_rows(e, rows, &err) != 0) {
+        for (int i = 0; i < b->n; i++) scheduler_finish(e->sched, b->seqs[i], FINISH_ERROR, err.msg);
+        return;
     }
     /* A step whose every pick can be made on the device fetches only ids:
      * argmaxes, or draws with per-row parameters when any row samples. */
@@ -558,14 +563,12 @@ static int engine_profile_step(engine *e, long *tokens_out, pd_err *err) {
     opt_seq_step *steps = calloc((size_t)n_seqs, sizeof *steps);
     int32_t *tokens = malloc(sizeof(int32_t) * (size_t)T);
     int32_t *tables = malloc(sizeof(int32_t) * (size_t)n_blocks);
-    float *logits = realloc(e->logits, sizeof(float) * (size_t)e->vocab * (size_t)n_seqs);
-    if (logits) {
-        e->logits = logits; /* the engine's logits buffer, grown to its largest size */
-        e->logits_rows = n_seqs;
-    }
+    /* The engine's output buffers, grown to their largest size. */
+    const bool grown = engine_reserve_rows(e, n_seqs, err) == 0;
     opt_kv_storage *kv = NULL;
     int rc = -1;
-    if (!steps || !tokens || !tables || !logits) {
+    if (!grown) goto out;
+    if (!steps || !tokens || !tables) {
         pd_fail(err, "out of memory");
         goto out;
     }
