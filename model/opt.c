@@ -641,14 +641,20 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
     /* Everything after the last layer is per row, so only the rows that want
      * logits go through the final LN, project_out and lm_head. */
     be->gather_rows(be, s->last, s->x, logit_rows, n_logits, h);
-    if (m->has_final_ln)
-        be->layer_norm(be, s->last, s->last, m->final_ln_w, m->final_ln_b, n_logits, h, OPT_LN_EPS);
-    const void *head_in = s->last;
+    /* The final LN is fused into the first projection that follows it (in
+     * place: s->last is only read again through that LN). */
+    const pd_linear_fuse final_ln = {.layer_norm = m->has_final_ln,
+                                     .ln_w = m->final_ln_w,
+                                     .ln_b = m->final_ln_b,
+                                     .ln_eps = OPT_LN_EPS,
+                                     .ln_out = s->last};
+    const pd_linear_fuse plain = {0};
     if (m->has_proj) {
-        be->gemm(be, s->last_w, s->last, h, m->project_out, NULL, n_logits, h, wd);
-        head_in = s->last_w;
+        linear(be, s->last_w, s->last, h, m->project_out, NULL, n_logits, h, wd, &final_ln);
+        linear(be, s->logits, s->last_w, wd, m->lm_head, NULL, n_logits, wd, c->vocab_size, &plain);
+    } else {
+        linear(be, s->logits, s->last, h, m->lm_head, NULL, n_logits, wd, c->vocab_size, &final_ln);
     }
-    be->gemm(be, s->logits, head_in, wd, m->lm_head, NULL, n_logits, wd, c->vocab_size);
     if (be->argmax) be->argmax(be, s->ids, s->logits, n_logits, c->vocab_size);
 }
 

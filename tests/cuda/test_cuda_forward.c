@@ -10,8 +10,8 @@
  *  - one batched step of three sequences at different points: a decode,
  *    a fresh 9-token prompt and a 12-token chunk after a cached prefix;
  * at block sizes 4 and 16 (24 blocks per sequence: 96 and 384 tokens).
- * Then decode graphs on the GPU side: batches of 1..4 sequences (padded to
- * recordings of 1, 2 and 4), replayed again and again, must still match the
+ * Then decode graphs on the GPU side: batches of 1..20 sequences (padded to
+ * recordings of 1, 2, 4, 8, 16 and 24), replayed three times, must still match the
  * CPU, and the device's greedy picks (opt_forward_ex ids) must equal the
  * argmax of the logits it returned.
  *
@@ -28,8 +28,10 @@
 #ifdef PDSERVE_HAVE_CUDA
 #include "model/cuda/cuda_backend.h"
 
-#define NUM_BLOCKS 96
-#define MAX_SEQS 4
+/* 24 blocks per sequence; 20 sequences so decode graphs of batch > 8 (the
+ * cuBLASLt path of the linear op) are recorded too. */
+#define MAX_SEQS 20
+#define NUM_BLOCKS (24 * MAX_SEQS)
 
 /* One backend with its model and cache. */
 typedef struct side {
@@ -145,16 +147,16 @@ static void run_scenarios(rig *r) {
 /* Decode steps through the GPU's recorded graphs. */
 static void run_graphs(rig *r) {
     pd_err err;
-    CHECKF(opt_model_set_graphs(r->gpu.m, true, 4, &err) == 0, "%s", err.msg);
+    CHECKF(opt_model_set_graphs(r->gpu.m, true, MAX_SEQS, &err) == 0, "%s", err.msg);
     CHECK(opt_model_graph_stats(r->gpu.m, NULL, NULL) == 1);
-    int32_t prompt[16], tok[MAX_SEQS];
+    int32_t prompt[32], tok[MAX_SEQS];
     int pos[MAX_SEQS];
-    for (int i = 0; i < 16; i++)
+    for (int i = 0; i < 32; i++)
         prompt[i] = (int32_t)(urand() % (uint32_t)r->V);
-    for (int q = 0; q < MAX_SEQS; q++) { /* fresh prompts of 5..8 tokens */
-        opt_seq_step s = seq_step(r, q, prompt + q, 5 + q, 0);
+    for (int q = 0; q < MAX_SEQS; q++) { /* fresh prompts of 5..12 tokens */
+        opt_seq_step s = seq_step(r, q, prompt + q, 5 + q % 8, 0);
         tok[q] = step_both(r, "graph prefill", &s, 1);
-        pos[q] = 5 + q;
+        pos[q] = 5 + q % 8;
     }
     float *lg = calloc((size_t)MAX_SEQS * r->V, sizeof(float));
     for (int round = 0; round < 3; round++) {
@@ -195,8 +197,9 @@ static void run_graphs(rig *r) {
     }
     int captures = 0, replays = 0;
     opt_model_graph_stats(r->gpu.m, &captures, &replays);
-    CHECKF(captures == 3 && replays == 3 * MAX_SEQS,
-           "%s: %d recordings (3 expected: batches 1, 2, 4), %d replays (%d expected)", r->variant,
+    /* Batches 1..20 pad to the recorded sizes 1, 2, 4, 8, 16 and 24. */
+    CHECKF(captures == 6 && replays == 3 * MAX_SEQS,
+           "%s: %d recordings (6 expected: 1, 2, 4, 8, 16, 24), %d replays (%d expected)", r->variant,
            captures, replays, 3 * MAX_SEQS);
     /* A prefill step runs eagerly beside the recordings and leaves them valid. */
     opt_seq_step s = seq_step(r, 0, prompt, 3, pos[0]);
@@ -205,7 +208,7 @@ static void run_graphs(rig *r) {
     opt_seq_step d = seq_step(r, 0, &tok[0], 1, pos[0]);
     step_both(r, "graph decode after a prefill", &d, 1);
     opt_model_graph_stats(r->gpu.m, &captures, &replays);
-    CHECKF(captures == 3, "%s: %d recordings after an eager prefill (3 expected)", r->variant,
+    CHECKF(captures == 6, "%s: %d recordings after an eager prefill (6 expected)", r->variant,
            captures);
     free(lg);
 }
