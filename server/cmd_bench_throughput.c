@@ -23,7 +23,8 @@
 #include "server/serve_options.h"
 
 typedef struct throughput_opts {
-    int num_prompts, input_len, output_len, json;
+    int num_prompts, input_len, output_len, json, top_k;
+    float temperature, top_p;
 } throughput_opts;
 
 #define T(f) offsetof(throughput_opts, f)
@@ -32,7 +33,11 @@ static const cli_option throughput_table[] = {
     {"input-len", CLI_INT, T(input_len), "128", 1, 1 << 20,
      "prompt tokens per request (random ids, seeded by --seed)"},
     {"output-len", CLI_INT, T(output_len), "128", 1, 1 << 20,
-     "tokens generated per request (greedy, EOS ignored)"},
+     "tokens generated per request (EOS ignored)"},
+    {"temperature", CLI_FLOAT, T(temperature), "0", 0, 100,
+     "0: greedy; vLLM's benchmark_throughput samples at 1.0"},
+    {"top-p", CLI_FLOAT, T(top_p), "1", 1e-6, 1, "nucleus sampling (1: off)"},
+    {"top-k", CLI_INT, T(top_k), "0", -1, 1 << 20, "top-k sampling (0 or -1: off)"},
     {"json", CLI_BOOL, T(json), "false", 1, 0,
      "print the result as one JSON line on stdout (the readable report goes to stderr)"},
 };
@@ -110,7 +115,9 @@ static int throughput_run(serve_options *so, const throughput_opts *o, throughpu
     engine_request_params_default(&p);
     p.max_tokens = o->output_len;
     p.ignore_eos = true;
-    p.sampling.temperature = 0; /* greedy */
+    p.sampling.temperature = o->temperature;
+    p.sampling.top_p = o->top_p;
+    p.sampling.top_k = o->top_k;
     double t0 = pd_now();
     for (int i = 0; i < o->num_prompts; i++) {
         char id[32];

@@ -51,10 +51,16 @@ expect_rc 0 "bench with preemption" "$bin" bench-throughput "$tmp/m" --num-promp
 p=$(json_num preemptions)
 [ -n "$p" ] && [ "$p" -gt 0 ] && ok || bad "expected preemptions with 6 blocks, got '$p'"
 
+# Sampled (vLLM's benchmark samples at temperature 1): still every token.
+expect_rc 0 "bench sampled" "$bin" bench-throughput "$tmp/m" --num-prompts 6 --input-len 10 --output-len 9 \
+  --temperature 1.0 --top-p 0.9 --top-k 20 --json
+[ "$(json_num output_tokens)" = 54 ] && ok || bad "sampled output_tokens $(json_num output_tokens), want 54"
+
 # Help and bad input.
 expect_rc 0 "help" "$bin" bench-throughput --help
 grep -q -- '--num-prompts' "$tmp/out" && grep -q -- '--max-num-seqs' "$tmp/out" && grep -q -- '--gpu-memory-utilization' "$tmp/out" &&
   ! grep -q -- '--port' "$tmp/out" && ok || bad "help lists bench and engine flags, no HTTP ones"
+expect_rc 2 "bad top-p" "$bin" bench-throughput "$tmp/m" --top-p 0
 expect_rc 2 "http flag" "$bin" bench-throughput "$tmp/m" --port 8000
 grep -q -- '--port' "$tmp/err" && ok || bad "http flag message: $(cat "$tmp/err")"
 expect_rc 2 "zero output" "$bin" bench-throughput "$tmp/m" --output-len 0
