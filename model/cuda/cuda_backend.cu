@@ -37,8 +37,26 @@
 #include "model/cuda/cuda_backend.h"
 #include "model/cuda/cuda_internal.cuh"
 
+/* Per-op GPU time (PDSERVE_CUDA_PROFILE=1): a pair of events around every
+ * compute op that is not being recorded into a graph, read back at the next
+ * wait of the stream, summed per op name and printed when the backend is
+ * destroyed. For finding where a step's time goes (run it eagerly). */
+#define PROF_PAIRS 8192
+#define PROF_NAMES 24
+typedef struct cuda_prof {
+    int on, open;          /* profiling; a start event is pending */
+    int n;                 /* pairs recorded since the last wait */
+    cudaEvent_t *a, *b;    /* [PROF_PAIRS] start and end events */
+    const char **op;       /* [PROF_PAIRS] the op of each pair */
+    const char *names[PROF_NAMES];
+    double ms[PROF_NAMES];
+    long calls[PROF_NAMES];
+    long dropped;
+} cuda_prof;
+
 typedef struct cuda_ctx {
     int device;
+    cuda_prof prof;
     cudaStream_t stream;
     cublasHandle_t blas;
     cuda_linear_env lin; /* the linear op's cuBLASLt handle and limits */
@@ -70,15 +88,107 @@ static void cu_defer(cuda_ctx *c, const char *op, const char *what) {
     snprintf(c->err, sizeof c->err, "%s: %s", op, what);
 }
 
-/* After a kernel launch: catch bad launch configurations at once. */
+static bool prof_active(cuda_ctx *c) {
+    if (!c->prof.on) return false;
+    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+    return cudaStreamIsCapturing(c->stream, &st) == cudaSuccess && st == cudaStreamCaptureStatusNone;
+}
+
+/* The start of a compute op (after cu_enter). */
+static void prof_start(cuda_ctx *c) {
+    cuda_prof *p = &c->prof;
+    if (!prof_active(c)) return;
+    if (p->n >= PROF_PAIRS) {
+        p->dropped++;
+        return;
+    }
+    cudaEventRecord(p->a[p->n], c->stream);
+    p->open = 1;
+}
+
+static void prof_end(cuda_ctx *c, const char *op) {
+    cuda_prof *p = &c->prof;
+    if (!p->open) return;
+    p->open = 0;
+    cudaEventRecord(p->b[p->n], c->stream);
+    p->op[p->n++] = op;
+}
+
+/* After a wait of the stream: every pair has completed. */
+static void prof_collect(cuda_ctx *c) {
+    cuda_prof *p = &c->prof;
+    for (int i = 0; i < p->n; i++) {
+        float ms = 0;
+        if (cudaEventElapsedTime(&ms, p->a[i], p->b[i]) != cudaSuccess) {
+            cudaGetLastError();
+            continue;
+        }
+        int k = 0;
+        while (k < PROF_NAMES && p->names[k] && strcmp(p->names[k], p->op[i])) k++;
+        if (k == PROF_NAMES) continue;
+        p->names[k] = p->op[i];
+        p->ms[k] += ms;
+        p->calls[k]++;
+    }
+    p->n = 0;
+}
+
+static void prof_report(cuda_ctx *c) {
+    cuda_prof *p = &c->prof;
+    double total = 0;
+    for (int k = 0; k < PROF_NAMES && p->names[k]; k++) total += p->ms[k];
+    pd_log(PD_LOG_INFO, "cuda profile (%s): %.3f ms of GPU time in compute ops%s", c->name, total,
+           p->dropped ? " (some ops not timed: too many between two waits)" : "");
+    bool done[PROF_NAMES] = {false};
+    for (;;) { /* largest first */
+        int best = -1;
+        for (int k = 0; k < PROF_NAMES && p->names[k]; k++)
+            if (!done[k] && (best < 0 || p->ms[k] > p->ms[best])) best = k;
+        if (best < 0) break;
+        done[best] = true;
+        pd_log(PD_LOG_INFO, "  %-16s %8ld calls %10.3f ms %8.2f us/call %5.1f%%", p->names[best],
+               p->calls[best], p->ms[best], 1e3 * p->ms[best] / (double)p->calls[best],
+               total > 0 ? 100 * p->ms[best] / total : 0.0);
+    }
+}
+
+static int prof_init(cuda_ctx *c) {
+    cuda_prof *p = &c->prof;
+    p->a = (cudaEvent_t *)calloc(PROF_PAIRS, sizeof *p->a);
+    p->b = (cudaEvent_t *)calloc(PROF_PAIRS, sizeof *p->b);
+    p->op = (const char **)calloc(PROF_PAIRS, sizeof *p->op);
+    if (!p->a || !p->b || !p->op) return -1;
+    for (int i = 0; i < PROF_PAIRS; i++)
+        if (cudaEventCreate(&p->a[i]) != cudaSuccess || cudaEventCreate(&p->b[i]) != cudaSuccess)
+            return -1;
+    p->on = 1;
+    return 0;
+}
+
+static void prof_free(cuda_ctx *c) {
+    cuda_prof *p = &c->prof;
+    if (p->on) prof_report(c);
+    for (int i = 0; i < PROF_PAIRS && p->a && p->b; i++) {
+        if (p->a[i]) cudaEventDestroy(p->a[i]);
+        if (p->b[i]) cudaEventDestroy(p->b[i]);
+    }
+    free(p->a);
+    free(p->b);
+    free(p->op);
+}
+
+/* After a kernel launch: catch bad launch configurations at once (and end
+ * the op's profile interval). */
 static void cu_check_launch(cuda_ctx *c, const char *op) {
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) cu_defer(c, op, cudaGetErrorString(e));
+    prof_end(c, op);
 }
 
 /* Wait for the stream; turn a pending deferred error or a CUDA error into pd_err. */
 static int cu_wait(cuda_ctx *c, const char *what, pd_err *err) {
     cudaError_t e = cudaStreamSynchronize(c->stream);
+    if (c->prof.on && e == cudaSuccess) prof_collect(c);
     if (c->failed) {
         c->failed = 0;
         return pd_fail(err, "cuda backend: %s (reported at %s)", c->err, what);
@@ -222,6 +332,7 @@ static void cu_gemm(pd_backend *be, void *y, const void *x, int x_stride, const 
                     const void *bias, int T, int in, int out) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
+    prof_start(c);
     if (T <= 0 || out <= 0) return;
     const float one = 1.0f, zero = 0.0f;
     const cudaDataType t = cu_data_type(be->dtype);
@@ -238,14 +349,16 @@ static void cu_gemm(pd_backend *be, void *y, const void *x, int x_stride, const 
     }
     if (bias) {
         cuda_bias_add(c->stream, be->dtype, y, bias, T, out);
-        cu_check_launch(c, "gemm bias");
+        cu_check_launch(c, "gemm + bias");
     }
+    prof_end(c, "gemm");
 }
 
 static void cu_layer_norm(pd_backend *be, void *y, const void *x, const void *w, const void *b,
                           int rows, int dim, float eps) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
+    prof_start(c);
     cuda_layer_norm(c->stream, be->dtype, y, x, dim, w, b, rows, dim, eps);
     cu_check_launch(c, "layer_norm");
 }
@@ -254,6 +367,7 @@ static void cu_linear(pd_backend *be, void *y, const void *x, int x_stride, cons
                       const void *bias, int T, int in, int out, const pd_linear_fuse *f) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
+    prof_start(c);
     char msg[128];
     if (cuda_linear(&c->lin, be->dtype, y, x, x_stride, w, bias, T, in, out, f, msg, sizeof msg))
         cu_defer(c, "linear", msg);
@@ -264,6 +378,7 @@ static void cu_linear(pd_backend *be, void *y, const void *x, int x_stride, cons
 static void cu_activation(pd_backend *be, void *x, size_t n, pd_activation act) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
+    prof_start(c);
     cuda_activation(c->stream, be->dtype, x, n, act);
     cu_check_launch(c, "activation");
 }
@@ -271,6 +386,7 @@ static void cu_activation(pd_backend *be, void *x, size_t n, pd_activation act) 
 static void cu_add(pd_backend *be, void *y, const void *x, size_t n) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
+    prof_start(c);
     cuda_add(c->stream, be->dtype, y, x, n);
     cu_check_launch(c, "add");
 }
@@ -279,6 +395,7 @@ static void cu_embedding(pd_backend *be, void *y, const void *table, const int32
                          int rows, int dim, int accumulate) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
+    prof_start(c);
     cuda_embedding(c->stream, be->dtype, y, table, idx, offset, rows, dim, accumulate);
     cu_check_launch(c, "embedding");
 }
@@ -287,6 +404,7 @@ static void cu_gather_rows(pd_backend *be, void *y, const void *x, const int32_t
                            int dim) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
+    prof_start(c);
     cuda_gather_rows(c->stream, be->dtype, y, x, rows, n, dim);
     cu_check_launch(c, "gather_rows");
 }
@@ -295,6 +413,7 @@ static void cu_kv_write(pd_backend *be, void *k_cache, void *v_cache, const void
                         int stride, const pd_step_meta *meta, int kv_dim) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
+    prof_start(c);
     cuda_kv_write(c->stream, be->dtype, k_cache, v_cache, k, v, stride, meta->slot_mapping,
                   meta->n_tokens, kv_dim);
     cu_check_launch(c, "kv_write");
@@ -305,6 +424,7 @@ static void cu_paged_attention(pd_backend *be, void *out, const void *q, int q_s
                                int heads, int head_dim, int block_size, float scale) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
+    prof_start(c);
     if (head_dim > CUDA_MAX_HEAD_DIM || block_size <= 0) {
         char msg[96];
         snprintf(msg, sizeof msg, "head_dim %d (max %d) / block_size %d not supported", head_dim,
@@ -320,6 +440,7 @@ static void cu_paged_attention(pd_backend *be, void *out, const void *q, int q_s
 static void cu_argmax(pd_backend *be, int32_t *ids, const void *x, int rows, int n) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
+    prof_start(c);
     cuda_argmax(c->stream, be->dtype, ids, x, rows, n);
     cu_check_launch(c, "argmax");
 }
@@ -328,6 +449,7 @@ static void cu_sample(pd_backend *be, int32_t *ids, const void *x, int rows, int
                       const float *params) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
+    prof_start(c);
     cuda_sample(c->stream, be->dtype, ids, x, rows, n, params);
     cu_check_launch(c, "sample");
 }
@@ -424,6 +546,8 @@ static void cu_destroy(pd_backend *be) {
     if (c) {
         cu_enter(c);
         if (c->stream) cudaStreamSynchronize(c->stream);
+        if (c->prof.on) prof_collect(c);
+        prof_free(c);
         if (c->stage) cudaFree(c->stage);
         if (c->f32) cudaFree(c->f32);
         if (c->lin.lt) cublasLtDestroy(c->lin.lt);
@@ -504,6 +628,12 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
         cu_destroy(be);
         return pd_fail(err, "cuda backend: creating a stream on device %d: %s", device,
                        cudaGetErrorString(e));
+    }
+    const char *prof = getenv("PDSERVE_CUDA_PROFILE");
+    if (prof && !strcmp(prof, "1") && prof_init(c) != 0) {
+        cudaGetLastError();
+        c->prof.on = 0;
+        pd_log(PD_LOG_WARN, "cuda backend: PDSERVE_CUDA_PROFILE: cannot create the timing events");
     }
     cublasStatus_t st = cublasCreate(&c->blas);
     if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetStream(c->blas, c->stream);
