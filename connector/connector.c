@@ -90,6 +90,7 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
         .transport = c->cfg.transport == KV_TRANSPORT_NCCL ? P2P_NCCL : P2P_TCP,
         .timeout_s = c->cfg.timeout_s,
         .nccl_num_channels = c->cfg.nccl_num_channels,
+        .nccl_device = be->device >= 0 ? be->device : 0, /* the GPU the KV cache lives on */
         .fingerprint = c->fingerprint,
         .backend = be,
     };

@@ -68,6 +68,7 @@ struct pd_backend {
     pd_dtype dtype;   /* compute/storage dtype of weights, activations and KV */
     size_t elem_size; /* bytes per element of dtype */
     int n_threads;    /* worker threads (CPU), informational elsewhere */
+    int device;       /* CUDA device ordinal of a GPU backend; -1 on the CPU */
     void *ctx;        /* backend private state */
 
     /* --- memory --- */

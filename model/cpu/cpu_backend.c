@@ -298,6 +298,7 @@ int cpu_backend_create(int n_threads, bool baseline, pd_backend **out, pd_err *e
     be->dtype = PD_F32;
     be->elem_size = sizeof(float);
     be->n_threads = n_threads;
+    be->device = -1;
     be->alloc = cpu_alloc;
     be->free = cpu_free;
     be->copy_h2d = cpu_copy;

@@ -690,6 +690,7 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->dtype = dtype;
     be->elem_size = pd_dtype_size(dtype);
     be->n_threads = 1;
+    be->device = device;
     be->alloc = cu_alloc;
     be->free = cu_free;
     be->copy_h2d = cu_copy_h2d;
