@@ -214,8 +214,29 @@ static void attention_block_launch(cudaStream_t s, void *out, const void *q, int
 void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                           const void *k_cache, const void *v_cache, const pd_step_meta *meta,
                           int heads, int head_dim, int block_size, float scale, float *work,
-                          size_t work_floats) {
-    if (meta->n_tokens <= 0 || heads <= 0 || head_dim <= 0) return;
+                          size_t work_floats, const cuda_kv_pending *write, int *counters) {
+    if (meta->n_tokens <= 0 || heads <= 0 || head_dim <= 0) {
+        if (write)
+            cuda_kv_write(s, dt, write->k_cache, write->v_cache, write->k, write->v, write->stride,
+                          write->slot_mapping, write->T, write->kv_dim);
+        return;
+    }
+    /* The longest context a step can have is max_blocks * block_size (the
+     * block-table row length), known on the host without reading positions. */
+    const int max_ctx = meta->max_blocks * block_size;
+    /* Few queries (decode): spread each one's positions over a whole block.
+     * Many queries (prefill): one warp each already fills the GPU. */
+    const bool few_queries = (long)meta->n_tokens * heads < 2048;
+    /* A pure decode step (one new token per sequence) writes its k and v in
+     * the attention kernel itself: no token reads another's new row. */
+    const bool fuse_write = write && meta->max_q_len == 1 && few_queries;
+    if (fuse_write && cuda_decode_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta, heads,
+                                            head_dim, block_size, scale, work, work_floats, write,
+                                            counters))
+        return;
+    if (write)
+        cuda_kv_write(s, dt, write->k_cache, write->v_cache, write->k, write->v, write->stride,
+                      write->slot_mapping, write->T, write->kv_dim);
     /* A prefill (or a chunk of one) in 16 bits: the tensor-core kernel, which
      * shares each K/V tile among 64 queries. fp32 keeps the kernels below,
      * exactly comparable with the CPU; so do decode-only steps. */
@@ -224,16 +245,10 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
                              block_size, scale);
         return;
     }
-    /* The longest context a step can have is max_blocks * block_size (the
-     * block-table row length), known on the host without reading positions. */
-    const int max_ctx = meta->max_blocks * block_size;
     const size_t smem = block_smem(head_dim, max_ctx);
-    /* Few queries (decode): spread each one's positions over a whole block.
-     * Many queries (prefill): one warp each already fills the GPU. */
-    const bool few_queries = (long)meta->n_tokens * heads < 2048;
     if (few_queries && cuda_decode_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta,
                                              heads, head_dim, block_size, scale, work,
-                                             work_floats))
+                                             work_floats, NULL, counters))
         return;
     if (few_queries && head_dim <= ATTN_THREADS && smem <= 48 * 1024) {
         CUDA_DISPATCH(dt, E,

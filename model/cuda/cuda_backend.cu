@@ -67,6 +67,9 @@ typedef struct cuda_ctx {
     void *blas_ws; /* cuBLAS workspace: fixed, so captured graphs never allocate */
     float *attn_work; /* decode attention's per-part results (fixed, like blas_ws) */
     size_t attn_work_floats;
+    int *attn_counters;  /* decode attention's per-item part counters (kept zeroed) */
+    cuda_kv_pending kvp; /* a kv_write queued here, not yet launched (see cu_kv_write) */
+    pd_dtype kvp_dtype;
     int failed;    /* a deferred error is pending */
     char err[256]; /* its message */
     char name[48];
@@ -76,9 +79,31 @@ static cuda_ctx *ctx_of(pd_backend *be) {
     return (cuda_ctx *)be->ctx;
 }
 
-/* Make the backend's device current on the calling thread. */
+/* Make the backend's device current on the calling thread (and nothing else:
+ * for the two ops that deal with a pending kv_write themselves). */
+static void cu_enter_keep(cuda_ctx *c) {
+    cudaSetDevice(c->device);
+}
+
+static void prof_start(cuda_ctx *c);
+static void cu_check_launch(cuda_ctx *c, const char *op);
+
+/* Launch a kv_write that cu_kv_write held back. */
+static void cu_flush_kv(cuda_ctx *c, pd_dtype dt) {
+    cuda_kv_pending *w = &c->kvp;
+    if (!w->on) return;
+    w->on = 0;
+    prof_start(c);
+    cuda_kv_write(c->stream, dt, w->k_cache, w->v_cache, w->k, w->v, w->stride, w->slot_mapping, w->T,
+                  w->kv_dim);
+    cu_check_launch(c, "kv_write");
+}
+
+/* The entry of every op: the backend's device, and any held-back kv_write
+ * launched first, so every op sees the cache as the ops' order says. */
 static void cu_enter(cuda_ctx *c) {
     cudaSetDevice(c->device);
+    if (c->kvp.on) cu_flush_kv(c, c->kvp_dtype);
 }
 
 /* Remember the first error of a queued op (reported at the next sync). */
@@ -409,23 +434,28 @@ static void cu_gather_rows(pd_backend *be, void *y, const void *x, const int32_t
     cu_check_launch(c, "gather_rows");
 }
 
+/* kv_write is held back one op: when the next op is this layer's attention
+ * of a pure decode step, the attention kernel writes the k and v itself (one
+ * launch fewer per layer); any other op launches it first (cu_enter). */
 static void cu_kv_write(pd_backend *be, void *k_cache, void *v_cache, const void *k, const void *v,
                         int stride, const pd_step_meta *meta, int kv_dim) {
     cuda_ctx *c = ctx_of(be);
-    cu_enter(c);
-    prof_start(c);
-    cuda_kv_write(c->stream, be->dtype, k_cache, v_cache, k, v, stride, meta->slot_mapping,
-                  meta->n_tokens, kv_dim);
-    cu_check_launch(c, "kv_write");
+    cu_enter(c); /* an earlier one still held: launched now */
+    if (meta->n_tokens <= 0 || kv_dim <= 0) return;
+    c->kvp = (cuda_kv_pending){1, k_cache, v_cache, k, v, stride, meta->n_tokens, kv_dim,
+                               meta->slot_mapping};
+    c->kvp_dtype = be->dtype;
 }
 
 static void cu_paged_attention(pd_backend *be, void *out, const void *q, int q_stride,
                                const void *k_cache, const void *v_cache, const pd_step_meta *meta,
                                int heads, int head_dim, int block_size, float scale) {
     cuda_ctx *c = ctx_of(be);
-    cu_enter(c);
+    cu_enter_keep(c); /* a held-back kv_write is this call's to do */
     prof_start(c);
+    const cuda_kv_pending *write = c->kvp.on ? &c->kvp : NULL;
     if (head_dim > CUDA_MAX_HEAD_DIM || block_size <= 0) {
+        if (c->kvp.on) cu_flush_kv(c, be->dtype);
         char msg[96];
         snprintf(msg, sizeof msg, "head_dim %d (max %d) / block_size %d not supported", head_dim,
                  CUDA_MAX_HEAD_DIM, block_size);
@@ -433,7 +463,9 @@ static void cu_paged_attention(pd_backend *be, void *out, const void *q, int q_s
         return;
     }
     cuda_paged_attention(c->stream, be->dtype, out, q, q_stride, k_cache, v_cache, meta, heads,
-                         head_dim, block_size, scale, c->attn_work, c->attn_work_floats);
+                         head_dim, block_size, scale, c->attn_work, c->attn_work_floats, write,
+                         c->attn_counters);
+    c->kvp.on = 0; /* fused into the kernel, or launched before it */
     cu_check_launch(c, "paged_attention");
 }
 
@@ -554,6 +586,7 @@ static void cu_destroy(pd_backend *be) {
         if (c->blas) cublasDestroy(c->blas);
         if (c->blas_ws) cudaFree(c->blas_ws);
         if (c->attn_work) cudaFree(c->attn_work);
+        if (c->attn_counters) cudaFree(c->attn_counters);
         if (c->stream) cudaStreamDestroy(c->stream);
         free(c);
     }
@@ -656,7 +689,9 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     /* 32 MiB holds the parts of 2,048 (token, head) items of 64 dims over
      * 8k positions; steps beyond that use the unsplit kernels. */
     c->attn_work_floats = ((size_t)32 << 20) / sizeof(float);
-    if ((e = cudaMalloc((void **)&c->attn_work, c->attn_work_floats * sizeof(float))) != cudaSuccess) {
+    if ((e = cudaMalloc((void **)&c->attn_work, c->attn_work_floats * sizeof(float))) != cudaSuccess ||
+        (e = cudaMalloc((void **)&c->attn_counters, CUDA_DECODE_MAX_ITEMS * sizeof(int))) != cudaSuccess ||
+        (e = cudaMemset(c->attn_counters, 0, CUDA_DECODE_MAX_ITEMS * sizeof(int))) != cudaSuccess) {
         cudaGetLastError();
         cu_destroy(be);
         return pd_fail(err, "cuda backend: attention work space on device %d: %s", device,

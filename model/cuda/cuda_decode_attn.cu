@@ -10,8 +10,13 @@
  *   2. the part's max m and sum l of exp(s - m) (block reductions);
  *   3. the part's unnormalised output o = sum_p exp(s_p - m) v_p, with the
  *      threads in groups of head_dim lanes reading V rows coalesced;
- * and a second kernel merges the parts of each item in order:
+ * and the last part of an item to finish (a counter per item, counted up
+ * with atomicAdd after a __threadfence, and reset by that last block for the
+ * next step) merges the item's parts in order:
  *   M = max m_i, out = sum exp(m_i - M) o_i / sum exp(m_i - M) l_i.
+ * In a pure decode step the kernel also writes the token's own k and v into
+ * the cache first (the block whose part holds the token's position does it,
+ * then a barrier): no other token reads them, so kv_write's launch is saved.
  * A context of at most DEC_PART positions has one part, written out directly
  * (the merge skips it). The split depends only on the item's own context
  * length, never on what else is in the step, so results stay independent of
@@ -84,13 +89,15 @@ __device__ __forceinline__ float dec_dot<__nv_bfloat16>(const float *qs, const _
 }
 
 template <typename T>
-__global__ void decode_part_kernel(float *part_o, float *part_ml, T *out, const T *q, int q_stride,
-                                   const T *k_cache, const T *v_cache, const int32_t *positions,
-                                   const int32_t *token_seq, const int32_t *block_tables,
-                                   int max_blocks, int heads, int head_dim, int block_size,
-                                   float scale, int n_parts) {
+__global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters, T *out, const T *q,
+                                   int q_stride, T *k_cache, T *v_cache, const T *k_new,
+                                   const T *v_new, int new_stride, const int32_t *slot_mapping,
+                                   const int32_t *positions, const int32_t *token_seq,
+                                   const int32_t *block_tables, int max_blocks, int heads,
+                                   int head_dim, int block_size, float scale, int n_parts) {
     extern __shared__ float smem[]; /* [head_dim] q, [DEC_THREADS] partial outputs, [DEC_PART] e */
     __shared__ float red[DEC_THREADS / 32];
+    __shared__ int last_part;
     const int item = blockIdx.x, part_i = blockIdx.y;
     const int t = item / heads, h = item % heads;
     const int n_ctx = positions[t] + 1;
@@ -99,10 +106,19 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, T *out, const 
     const int p1 = min(n_ctx, p0 + DEC_PART);
     const int32_t *table = block_tables + (size_t)token_seq[t] * max_blocks;
     const size_t row = (size_t)heads * head_dim;
+    if (k_new && p1 == n_ctx) { /* this part holds the token itself: its k, v first */
+        const int32_t slot = slot_mapping[t];
+        if (slot >= 0)
+            for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) {
+                const size_t at = (size_t)slot * row + (size_t)h * head_dim + d;
+                k_cache[at] = k_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
+                v_cache[at] = v_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
+            }
+    }
     float *qs = smem, *acc_part = smem + head_dim, *e = acc_part + DEC_THREADS;
     const T *qt = q + (size_t)t * q_stride + (size_t)h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) qs[d] = to_f32(qt[d]) * scale;
-    __syncthreads();
+    __syncthreads(); /* also orders the k, v written above before their reads */
 
     const int p = p0 + (int)threadIdx.x;
     float sc = -INFINITY;
@@ -125,40 +141,46 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, T *out, const 
         }
     acc_part[threadIdx.x] = acc;
     __syncthreads();
+    if (n_ctx <= DEC_PART) { /* the only part: the output itself */
+        if (threadIdx.x < head_dim) {
+            float o = 0.0f;
+            for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + threadIdx.x];
+            out[(size_t)t * row + (size_t)h * head_dim + threadIdx.x] = from_f32<T>(o / sum);
+        }
+        return;
+    }
+    const size_t at = (size_t)item * n_parts + part_i;
     if (threadIdx.x < head_dim) {
         float o = 0.0f;
         for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + threadIdx.x];
-        if (n_ctx <= DEC_PART) {
-            out[(size_t)t * row + (size_t)h * head_dim + threadIdx.x] = from_f32<T>(o / sum);
-        } else {
-            const size_t at = (size_t)item * n_parts + part_i;
-            part_o[at * head_dim + threadIdx.x] = o;
-            if (threadIdx.x == 0) {
-                part_ml[2 * at] = mx;
-                part_ml[2 * at + 1] = sum;
-            }
+        part_o[at * head_dim + threadIdx.x] = o;
+        if (threadIdx.x == 0) {
+            part_ml[2 * at] = mx;
+            part_ml[2 * at + 1] = sum;
         }
     }
-}
-
-template <typename T>
-__global__ void decode_merge_kernel(T *out, const float *part_o, const float *part_ml,
-                                    const int32_t *positions, int heads, int head_dim, int n_parts) {
-    const int item = blockIdx.x, t = item / heads, h = item % heads;
-    const int n_ctx = positions[t] + 1;
-    if (n_ctx <= DEC_PART) return; /* written by its only part */
+    /* Publish this part, then count it; the item's last part merges. */
+    __threadfence();
+    __syncthreads();
     const int used = (n_ctx + DEC_PART - 1) / DEC_PART;
+    if (threadIdx.x == 0) {
+        last_part = atomicAdd(&counters[item], 1) == used - 1;
+        if (last_part) counters[item] = 0; /* ready for the next step */
+    }
+    __syncthreads();
+    if (!last_part) return;
+    __threadfence(); /* the other parts' results, seen through L2 (__ldcg) */
     const float *ml = part_ml + (size_t)item * n_parts * 2;
     float M = -INFINITY;
-    for (int i = 0; i < used; i++) M = fmaxf(M, ml[2 * i]);
+    for (int i = 0; i < used; i++) M = fmaxf(M, __ldcg(&ml[2 * i]));
     float L = 0.0f;
-    for (int i = 0; i < used; i++) L += expf(ml[2 * i] - M) * ml[2 * i + 1];
-    const size_t row = (size_t)heads * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    for (int i = 0; i < used; i++) L += expf(__ldcg(&ml[2 * i]) - M) * __ldcg(&ml[2 * i + 1]);
+    for (int dd = threadIdx.x; dd < head_dim; dd += DEC_THREADS) {
         float o = 0.0f;
         for (int i = 0; i < used; i++)
-            o += expf(ml[2 * i] - M) * part_o[((size_t)item * n_parts + i) * head_dim + d];
-        out[(size_t)t * row + (size_t)h * head_dim + d] = from_f32<T>(o / L);
+            o += expf(__ldcg(&ml[2 * i]) - M) *
+                 __ldcg(&part_o[((size_t)item * n_parts + i) * head_dim + dd]);
+        out[(size_t)t * row + (size_t)h * head_dim + dd] = from_f32<T>(o / L);
     }
 }
 
@@ -170,11 +192,15 @@ size_t cuda_decode_attention_work(int n_tokens, int heads, int head_dim, int max
 bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                            const void *k_cache, const void *v_cache, const pd_step_meta *m,
                            int heads, int head_dim, int block_size, float scale, float *work,
-                           size_t work_floats) {
+                           size_t work_floats, const cuda_kv_pending *write, int *counters) {
     const int max_ctx = m->max_blocks * block_size;
-    if (head_dim > DEC_THREADS || max_ctx <= 0 ||
+    if (head_dim > DEC_THREADS || max_ctx <= 0 || !counters ||
+        (long)m->n_tokens * heads > CUDA_DECODE_MAX_ITEMS ||
         cuda_decode_attention_work(m->n_tokens, heads, head_dim, max_ctx) > work_floats)
         return false;
+    if (write && (write->k_cache != k_cache || write->v_cache != v_cache || write->T != m->n_tokens ||
+                  write->kv_dim != heads * head_dim || write->slot_mapping != m->slot_mapping))
+        return false; /* not this layer's write (cannot happen from opt.c): launch it apart */
     const int n_parts = (max_ctx + DEC_PART - 1) / DEC_PART;
     const int items = m->n_tokens * heads;
     float *part_o = work, *part_ml = work + (size_t)items * n_parts * head_dim;
@@ -182,10 +208,10 @@ bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q
     const dim3 grid((unsigned)items, (unsigned)n_parts);
     CUDA_DISPATCH(dt, E,
                   decode_part_kernel<E><<<grid, DEC_THREADS, smem, s>>>(
-                      part_o, part_ml, (E *)out, (const E *)q, q_stride, (const E *)k_cache,
-                      (const E *)v_cache, m->positions, m->token_seq, m->block_tables,
-                      m->max_blocks, heads, head_dim, block_size, scale, n_parts);
-                  if (n_parts > 1) decode_merge_kernel<E><<<items, head_dim < 128 ? head_dim : 128, 0, s>>>(
-                      (E *)out, part_o, part_ml, m->positions, heads, head_dim, n_parts))
+                      part_o, part_ml, counters, (E *)out, (const E *)q, q_stride, (E *)k_cache,
+                      (E *)v_cache, write ? (const E *)write->k : NULL,
+                      write ? (const E *)write->v : NULL, write ? write->stride : 0,
+                      m->slot_mapping, m->positions, m->token_seq, m->block_tables, m->max_blocks,
+                      heads, head_dim, block_size, scale, n_parts))
     return true;
 }

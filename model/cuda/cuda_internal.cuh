@@ -73,6 +73,16 @@ __device__ __forceinline__ float act_apply(float v, pd_activation act) {
     } break;                                                                                       \
     }
 
+/* A kv_write the backend has not launched yet: a decode step's attention
+ * does it itself (see cuda_decode_attn.cu), anything else launches it first. */
+typedef struct cuda_kv_pending {
+    int on;
+    void *k_cache, *v_cache;
+    const void *k, *v;
+    int stride, T, kv_dim;
+    const int32_t *slot_mapping;
+} cuda_kv_pending;
+
 /* Blocks for a grid-stride loop over n items with `threads` per block. */
 static inline unsigned cuda_grid_for(size_t n, unsigned threads) {
     size_t b = (n + threads - 1) / threads;
@@ -114,13 +124,19 @@ void cuda_flash_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
 
 /* Largest head_dim the attention kernel takes (16 values per lane of a warp). */
 #define CUDA_MAX_HEAD_DIM 512
+/* write: a kv_write of this step still to be done (NULL: none), fused into
+ * the decode kernel where it can be, else launched first. counters: the
+ * decode kernel's per-item part counters (zeroed, and left zeroed). */
 void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                           const void *k_cache, const void *v_cache, const pd_step_meta *meta,
                           int heads, int head_dim, int block_size, float scale, float *work,
-                          size_t work_floats);
+                          size_t work_floats, const cuda_kv_pending *write, int *counters);
 
 /* ---- launchers (cuda_decode_attn.cu) ---- */
 
+
+/* Most (token, head) items of one decode-attention call (its counters). */
+#define CUDA_DECODE_MAX_ITEMS 2048
 /* Floats of work space cuda_decode_attention needs for a step. */
 size_t cuda_decode_attention_work(int n_tokens, int heads, int head_dim, int max_ctx);
 /* Context-split attention for few-query steps; false (nothing queued) when
@@ -128,7 +144,7 @@ size_t cuda_decode_attention_work(int n_tokens, int heads, int head_dim, int max
 bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                            const void *k_cache, const void *v_cache, const pd_step_meta *m,
                            int heads, int head_dim, int block_size, float scale, float *work,
-                           size_t work_floats);
+                           size_t work_floats, const cuda_kv_pending *write, int *counters);
 
 /* ---- launchers (cuda_sample.cu) ---- */
 

@@ -304,8 +304,12 @@ static const attn_seq attn_long[] = {{0, 2048}};
  * time_iters > 0 also times that many back-to-back GPU calls between two
  * syncs (the stream is the backend's own, so host time around a full queue
  * is what a layer costs) and prints the figure. */
-static void attention_case(const pair *p, const char *set, const attn_seq *seqs, int n_seqs, int bs,
-                           int heads, int hd, int time_iters) {
+/* write_new: the step's k and v (the q buffer's k and v thirds) are written
+ * with kv_write right before the attention, as opt.c does (the CUDA backend
+ * then fuses the write into a pure decode step's attention kernel); the
+ * caches are compared too. */
+static void attention_case_w(const pair *p, const char *set, const attn_seq *seqs, int n_seqs,
+                             int bs, int heads, int hd, int time_iters, int write_new) {
     int T = 0, max_blocks = 0, total_blocks = 0, max_q = 0;
     for (int s = 0; s < n_seqs; s++) {
         const int len = seqs[s].cached + seqs[s].fresh, nb = (len + bs - 1) / bs;
@@ -326,6 +330,7 @@ static void attention_case(const pair *p, const char *set, const attn_seq *seqs,
     int32_t *tables = malloc(sizeof(int32_t) * (size_t)(n_seqs * max_blocks));
     int32_t *lens = malloc(sizeof(int32_t) * (size_t)n_seqs);
     int32_t *q_start = malloc(sizeof(int32_t) * (size_t)(n_seqs + 1));
+    int32_t *slots = malloc(sizeof(int32_t) * (size_t)(T ? T : 1));
     int t = 0, next = 0;
     for (int s = 0; s < n_seqs; s++) {
         const int len = seqs[s].cached + seqs[s].fresh, nb = (len + bs - 1) / bs;
@@ -335,6 +340,7 @@ static void attention_case(const pair *p, const char *set, const attn_seq *seqs,
         for (int j = 0; j < seqs[s].fresh; j++, t++) {
             pos[t] = seqs[s].cached + j;
             seq[t] = s;
+            slots[t] = tables[s * max_blocks + pos[t] / bs] * bs + pos[t] % bs;
         }
         lens[s] = len;
     }
@@ -345,7 +351,7 @@ static void attention_case(const pair *p, const char *set, const attn_seq *seqs,
     float *q = rand_vec((size_t)T * q_stride, -2, 2); /* peaky enough to move the max often */
     pd_backend *be[2] = {p->cpu, p->gpu};
     void *dk[2], *dv[2], *dq[2], *dout[2];
-    int32_t *dpos[2], *dseq[2], *dtab[2], *dlen[2], *dqs[2];
+    int32_t *dpos[2], *dseq[2], *dtab[2], *dlen[2], *dqs[2], *dslot[2];
     pd_step_meta m[2];
     const float scale = 1.0f / sqrtf((float)hd);
     for (int i = 0; i < 2; i++) {
@@ -359,7 +365,9 @@ static void attention_case(const pair *p, const char *set, const attn_seq *seqs,
         dtab[i] = up_i32(be[i], tables, (size_t)n_seqs * max_blocks);
         dlen[i] = up_i32(be[i], lens, n_seqs);
         dqs[i] = up_i32(be[i], q_start, (size_t)n_seqs + 1);
+        dslot[i] = up_i32(be[i], slots, (size_t)T);
         m[i] = (pd_step_meta){.n_tokens = T,
+                              .slot_mapping = dslot[i],
                               .n_seqs = n_seqs,
                               .max_blocks = max_blocks,
                               .positions = dpos[i],
@@ -368,14 +376,21 @@ static void attention_case(const pair *p, const char *set, const attn_seq *seqs,
                               .seq_lens = dlen[i],
                               .seq_q_start = dqs[i],
                               .max_q_len = max_q};
+        if (write_new)
+            be[i]->kv_write(be[i], dk[i], dv[i], (char *)dq[i] + row * be[i]->elem_size,
+                            (char *)dq[i] + 2 * row * be[i]->elem_size, q_stride, &m[i], (int)row);
         be[i]->paged_attention(be[i], dout[i], dq[i], q_stride, dk[i], dv[i], &m[i], heads, hd, bs,
                                scale);
     }
     sync_ok(p, "paged_attention");
     char what[128];
-    snprintf(what, sizeof what, "paged_attention %s bs=%d heads=%d head_dim=%d (T=%d)", set, bs,
-             heads, hd, T);
+    snprintf(what, sizeof what, "paged_attention %s%s bs=%d heads=%d head_dim=%d (T=%d)", set,
+             write_new ? " after kv_write" : "", bs, heads, hd, T);
     compare(p, what, dout[0], dout[1], (size_t)T * row);
+    if (write_new) {
+        compare(p, "k cache after kv_write + attention", dk[0], dk[1], cache_n);
+        compare(p, "v cache after kv_write + attention", dv[0], dv[1], cache_n);
+    }
     if (time_iters > 0) {
         pd_backend *g = p->gpu;
         const double t0 = pd_now();
@@ -388,12 +403,18 @@ static void attention_case(const pair *p, const char *set, const attn_seq *seqs,
                what, ms, 12 * ms, time_iters);
     }
     for (int i = 0; i < 2; i++) {
-        void *ptrs[] = {dk[i], dv[i], dq[i], dout[i], dpos[i], dseq[i], dtab[i], dlen[i], dqs[i]};
-        for (int k = 0; k < 9; k++)
+        void *ptrs[] = {dk[i],   dv[i],   dq[i],   dout[i], dpos[i],
+                        dseq[i], dtab[i], dlen[i], dqs[i],  dslot[i]};
+        for (int k = 0; k < 10; k++)
             be[i]->free(be[i], ptrs[k]);
     }
-    free(perm), free(pos), free(seq), free(tables), free(lens), free(q_start), free(kc), free(vc),
-        free(q);
+    free(perm), free(pos), free(seq), free(tables), free(lens), free(q_start), free(slots), free(kc),
+        free(vc), free(q);
+}
+
+static void attention_case(const pair *p, const char *set, const attn_seq *seqs, int n_seqs, int bs,
+                           int heads, int hd, int time_iters) {
+    attention_case_w(p, set, seqs, n_seqs, bs, heads, hd, time_iters, 0);
 }
 
 static void test_attention(const pair *p) {
@@ -413,6 +434,8 @@ static void test_attention(const pair *p) {
     for (int b = 0; b < 3; b++) {
         attention_case(p, "decode", attn_decode, NSEQ(attn_decode), block_sizes[b], 3, 64, 0);
         attention_case(p, "decode", attn_decode, NSEQ(attn_decode), block_sizes[b], 1, 128, 0);
+        attention_case_w(p, "decode", attn_decode, NSEQ(attn_decode), block_sizes[b], 3, 64, 0, 1);
+        attention_case_w(p, "mixed", attn_mixed, NSEQ(attn_mixed), block_sizes[b], 2, 64, 0, 1);
     }
     attention_case(p, "prompt", attn_long, NSEQ(attn_long), 16, 12, 64, 20);
 }
