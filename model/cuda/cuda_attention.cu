@@ -100,17 +100,7 @@ __global__ void paged_attention_kernel(T *out, const T *q, int q_stride, const T
 #define ATTN_THREADS 256
 
 __device__ __forceinline__ float block_reduce(float v, float *red, bool is_max) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) {
-        const float w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? fmaxf(v, w) : v + w;
-    }
-    __syncthreads(); /* red may still be read from a previous reduction */
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float r = red[0];
-    for (int i = 1; i < ATTN_THREADS / 32; i++) r = is_max ? fmaxf(r, red[i]) : r + red[i];
-    return r;
+    return cuda_block_reduce<ATTN_THREADS>(v, red, is_max);
 }
 
 template <typename T>

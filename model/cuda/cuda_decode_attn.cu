@@ -31,17 +31,7 @@
 #define DEC_THREADS 256
 
 __device__ __forceinline__ float dec_reduce(float v, float *red, bool is_max) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) {
-        const float w = __shfl_xor_sync(0xffffffffu, v, o);
-        v = is_max ? fmaxf(v, w) : v + w;
-    }
-    __syncthreads(); /* red may still be read from a previous reduction */
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float r = red[0];
-    for (int i = 1; i < DEC_THREADS / 32; i++) r = is_max ? fmaxf(r, red[i]) : r + red[i];
-    return r;
+    return cuda_block_reduce<DEC_THREADS>(v, red, is_max);
 }
 
 /* q . k over head_dim with 16-byte loads when the row allows it. */

@@ -83,6 +83,24 @@ typedef struct cuda_kv_pending {
     const int32_t *slot_mapping;
 } cuda_kv_pending;
 
+/* Max or sum of v over a block of THREADS threads (every thread gets the
+ * result), in a fixed order: warp butterflies, then the warps' values in
+ * warp order. red: THREADS / 32 floats of shared memory. */
+template <int THREADS>
+__device__ __forceinline__ float cuda_block_reduce(float v, float *red, bool is_max) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = is_max ? fmaxf(v, w) : v + w;
+    }
+    __syncthreads(); /* red may still be read from a previous reduction */
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float r = red[0];
+    for (int i = 1; i < THREADS / 32; i++) r = is_max ? fmaxf(r, red[i]) : r + red[i];
+    return r;
+}
+
 /* Blocks for a grid-stride loop over n items with `threads` per block. */
 static inline unsigned cuda_grid_for(size_t n, unsigned threads) {
     size_t b = (n + threads - 1) / threads;

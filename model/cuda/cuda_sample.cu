@@ -77,24 +77,10 @@ __device__ __forceinline__ uint32_t order_key(float f) {
 
 /* Fixed-order block reductions (every thread gets the result). */
 __device__ float smp_sum(float v, float *red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float r = 0.0f;
-    for (int i = 0; i < SMP_THREADS / 32; i++) r += red[i];
-    return r;
+    return cuda_block_reduce<SMP_THREADS>(v, red, false);
 }
 __device__ float smp_max(float v, float *red) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    __syncthreads();
-    if (lane == 0) red[warp] = v;
-    __syncthreads();
-    float r = red[0];
-    for (int i = 1; i < SMP_THREADS / 32; i++) r = fmaxf(r, red[i]);
-    return r;
+    return cuda_block_reduce<SMP_THREADS>(v, red, true);
 }
 __device__ int smp_min_int(int v, int *red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
