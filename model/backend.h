@@ -38,6 +38,11 @@ typedef struct pd_step_meta {
     const int32_t *seq_lens;     /* [n_seqs] tokens in the cache after this step */
     const int32_t *seq_q_start;  /* [n_seqs + 1] index of each sequence's first new token; last = T */
     int max_q_len;               /* most new tokens of one sequence in this step */
+    /* Some sequences of this step share a block table, so one reads K/V that
+     * another writes in this same step (pdserve score feeds a prompt as one
+     * 1-token sequence per position): every K/V write of the step must land
+     * before any attention read, which rules out fusing the two. */
+    int shared_tables;
 } pd_step_meta;
 
 /* What the optional `linear` op fuses around its GEMM, in this order:

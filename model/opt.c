@@ -526,6 +526,13 @@ static int upload_meta(opt_model *m, const opt_kv_storage *kv, const opt_seq_ste
     meta->seq_lens = meta->block_tables + (size_t)n_seqs * max_blocks;
     meta->seq_q_start = meta->seq_lens + n_seqs;
     meta->max_q_len = max_q;
+    meta->shared_tables = 0;
+    for (int i = 1; i < n_seqs && !meta->shared_tables; i++)
+        for (int j = 0; j < i; j++)
+            if (seqs[i].block_table == seqs[j].block_table) {
+                meta->shared_tables = 1;
+                break;
+            }
     *logit_rows = meta->seq_q_start + n_seqs + 1;
     return 0;
 }
@@ -826,6 +833,7 @@ static void graph_fill_meta(const opt_model *m, const opt_kv_storage *kv, const 
     meta->seq_lens = meta->block_tables + (size_t)B * MB;
     meta->seq_q_start = meta->seq_lens + B;
     meta->max_q_len = 1;
+    meta->shared_tables = 0; /* the engine's sequences own their tables */
     *logit_rows = meta->seq_q_start + B + 1;
 }
 

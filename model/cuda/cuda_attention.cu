@@ -218,8 +218,9 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
      * Many queries (prefill): one warp each already fills the GPU. */
     const bool few_queries = (long)meta->n_tokens * heads < 2048;
     /* A pure decode step (one new token per sequence) writes its k and v in
-     * the attention kernel itself: no token reads another's new row. */
-    const bool fuse_write = write && meta->max_q_len == 1 && few_queries;
+     * the attention kernel itself: no token reads another's new row
+     * (unless sequences share a table: then the write must come first). */
+    const bool fuse_write = write && meta->max_q_len == 1 && !meta->shared_tables && few_queries;
     if (fuse_write && cuda_decode_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta, heads,
                                             head_dim, block_size, scale, work, work_floats, write,
                                             counters))

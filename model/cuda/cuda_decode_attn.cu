@@ -85,6 +85,7 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
                                    const int32_t *positions, const int32_t *token_seq,
                                    const int32_t *block_tables, int max_blocks, int heads,
                                    int head_dim, int block_size, float scale, int n_parts) {
+    pdl_trigger(); /* the next (PDL-launched) kernel may start loading its weights */
     extern __shared__ float smem[]; /* [head_dim] q, [DEC_THREADS] partial outputs, [DEC_PART] e */
     __shared__ float red[DEC_THREADS / 32];
     __shared__ int last_part;

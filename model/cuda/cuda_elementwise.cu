@@ -75,6 +75,7 @@ void cuda_add(cudaStream_t s, pd_dtype dt, void *y, const void *x, size_t n) {
 template <typename T>
 __global__ void embedding_kernel(T *y, const T *table, const int32_t *idx, int offset, int dim,
                                  int accumulate) {
+    pdl_trigger(); /* the next (PDL-launched) kernel may start loading its weights */
     const int t = blockIdx.x;
     const T *src = table + (size_t)(idx[t] + offset) * dim;
     T *dst = y + (size_t)t * dim;
@@ -96,6 +97,7 @@ void cuda_embedding(cudaStream_t s, pd_dtype dt, void *y, const void *table, con
 
 template <typename T>
 __global__ void gather_rows_kernel(T *y, const T *x, const int32_t *rows, int dim) {
+    pdl_trigger(); /* the next (PDL-launched) kernel may start loading its weights */
     const T *src = x + (size_t)rows[blockIdx.x] * dim;
     T *dst = y + (size_t)blockIdx.x * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x)

@@ -56,6 +56,31 @@ __device__ __forceinline__ float act_apply(float v, pd_activation act) {
     return v;
 }
 
+/* Programmatic dependent launch (compute capability >= 9.0). A decode step
+ * is a chain of short kernels, each mostly waiting on memory; a kernel
+ * launched with the programmatic-serialization attribute (the small-T
+ * linear) may start while the one before it is still running, so its
+ * weight loads, which depend on nothing earlier, overlap that kernel's
+ * tail and the launch gap. The rules that keep this exact:
+ *  - pdl_trigger(): the kernel lets the next one start early; any kernel
+ *    may call it (it only matters when the next one is PDL-launched);
+ *  - pdl_wait(): a PDL-launched kernel calls it, in every block, before it
+ *    reads anything an earlier kernel wrote and before it writes anything:
+ *    it returns once the previous kernel has finished and its writes are
+ *    visible. Since every block waits, "finished" is transitive: the
+ *    kernel before that one has finished too.
+ * On older GPUs both are no-ops and the host launches normally. */
+__device__ __forceinline__ void pdl_trigger(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 /* Run the statement(s) with T bound to the C++ type of pd_dtype dt. */
 #define CUDA_DISPATCH(dt, T, ...)                                                                  \
     switch (dt) {                                                                                  \
@@ -193,6 +218,8 @@ typedef struct cuda_linear_env {
     size_t workspace_bytes;
     int sm_count;
     int mma_ok;      /* compute capability >= 8.0: fp16/bf16 tensor-core MMA */
+    int pdl;         /* launch the small-T kernels with programmatic dependent launch
+                        (compute capability >= 9.0, unless PDSERVE_CUDA_PDL=0) */
     size_t smem_max; /* dynamic shared memory the small-T kernels may ask for */
     int lt_next;     /* next cache slot to replace */
     cuda_lt_entry lt_cache[CUDA_LT_CACHE];

@@ -12,8 +12,8 @@
  *    bytes at (l % 4) * 16 of each chunk of 64 bytes), and the partial sums
  *    of the warps are added in shared memory at the end, in a fixed order.
  *  - The block first copies the T rows of x into shared memory and, when
- *    asked, normalises them there (one warp per row, two fp32 passes as the
- *    layer_norm kernel). Every block redoes this: x is at most a few tens of
+ *    asked, normalises them there (two fp32 passes as the layer_norm
+ *    kernel, every warp of the block on each row's sums). Every block redoes this: x is at most a few tens of
  *    KiB and sits in L2, which is cheaper than a second launch. The block's
  *    first weight loads are issued before it, so the two latencies overlap.
  *  - fp16/bf16: the products are tensor-core MMAs (m16n8k16) with x as the
@@ -36,6 +36,7 @@
  *
  * Nothing here allocates, synchronises or reads device memory on the host,
  * so the op can be captured into a CUDA graph. */
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -44,7 +45,11 @@
 #define LIN_WARPS 8
 #define LIN_THREADS (LIN_WARPS * 32)
 #define LIN_MAX_T 8  /* T handled by the single kernel; the MMA's 8 columns */
-#define LIN_UNROLL 4 /* 16-byte weight loads in flight per lane */
+#define LIN_UNROLL 4 /* 16-byte weight loads in flight per lane (FMA kernel) */
+/* The MMA kernel holds 16 bytes per load where the FMA kernel widens them
+ * to floats, so it affords twice as many loads in flight: at T = 1 the
+ * bytes in flight, not the arithmetic, set the speed. */
+#define LIN_UNROLL_MMA 8
 
 /* One call's arguments, by value to the kernel. */
 struct lin_params {
@@ -121,21 +126,55 @@ template <typename E, typename S> __device__ void lin_stage_x(const lin_params &
         }
     __syncthreads();
     if (!p.layer_norm) return;
-    const int lane = threadIdx.x & 31;
-    const E *lw = (const E *)p.ln_w, *lb = (const E *)p.ln_b;
-    for (int t = threadIdx.x >> 5; t < p.T; t += LIN_WARPS) {
-        S *row = xs + (size_t)t * p.in_pad;
+    /* Each row's sums are split into LIN_WARPS parts (part j: elements
+     * j*32 + lane, then every LIN_WARPS*32), one warp per (row, part), and
+     * the parts added in order: all warps work at T = 1, and the order of
+     * the additions does not depend on T (a sequence gets the same
+     * normalised row whatever else is in the batch). */
+    __shared__ float part_sum[LIN_MAX_T * LIN_WARPS], part_ss[LIN_MAX_T * LIN_WARPS];
+    __shared__ float row_mean[LIN_MAX_T], row_rstd[LIN_MAX_T];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int step = LIN_WARPS * 32;
+    for (int pr = warp; pr < p.T * LIN_WARPS; pr += LIN_WARPS) {
+        const S *row = xs + (size_t)(pr / LIN_WARPS) * p.in_pad;
         float sum = 0.0f;
-        for (int k = lane; k < p.in; k += 32)
+        for (int k = (pr % LIN_WARPS) * 32 + lane; k < p.in; k += step)
             sum += to_f32(row[k]);
-        const float mean = lin_warp_sum(sum) / (float)p.in;
+        sum = lin_warp_sum(sum);
+        if (lane == 0) part_sum[pr] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x < p.T) {
+        float sum = 0.0f;
+        for (int j = 0; j < LIN_WARPS; j++)
+            sum += part_sum[threadIdx.x * LIN_WARPS + j];
+        row_mean[threadIdx.x] = sum / (float)p.in;
+    }
+    __syncthreads();
+    for (int pr = warp; pr < p.T * LIN_WARPS; pr += LIN_WARPS) {
+        const S *row = xs + (size_t)(pr / LIN_WARPS) * p.in_pad;
+        const float mean = row_mean[pr / LIN_WARPS];
         float ss = 0.0f;
-        for (int k = lane; k < p.in; k += 32) {
+        for (int k = (pr % LIN_WARPS) * 32 + lane; k < p.in; k += step) {
             const float d = to_f32(row[k]) - mean;
             ss += d * d;
         }
-        const float rstd = 1.0f / sqrtf(lin_warp_sum(ss) / (float)p.in + p.ln_eps);
-        for (int k = lane; k < p.in; k += 32) {
+        ss = lin_warp_sum(ss);
+        if (lane == 0) part_ss[pr] = ss;
+    }
+    __syncthreads();
+    if (threadIdx.x < p.T) {
+        float ss = 0.0f;
+        for (int j = 0; j < LIN_WARPS; j++)
+            ss += part_ss[threadIdx.x * LIN_WARPS + j];
+        row_rstd[threadIdx.x] = 1.0f / sqrtf(ss / (float)p.in + p.ln_eps);
+    }
+    __syncthreads();
+    const E *lw = (const E *)p.ln_w, *lb = (const E *)p.ln_b;
+    for (int t = 0; t < p.T; t++) {
+        S *row = xs + (size_t)t * p.in_pad;
+        const float mean = row_mean[t], rstd = row_rstd[t];
+        for (int k = threadIdx.x; k < p.in; k += blockDim.x) {
             float v = (to_f32(row[k]) - mean) * rstd;
             if (lw) v = v * to_f32(lw[k]) + to_f32(lb[k]);
             row[k] = from_f32<S>(v);
@@ -212,25 +251,27 @@ __global__ void __launch_bounds__(LIN_THREADS) linear_mma_kernel(lin_params p) {
     const E *wrow = (const E *)p.w + (size_t)(row_ok ? row : 0) * p.in + q * 8;
     const int kmax = p.in - q * 8; /* in % 8 == 0 here: k < kmax means all 8 are inside */
 
-    uint4 wv[LIN_UNROLL];
+    uint4 wv[LIN_UNROLL_MMA];
     auto load_w = [&](int i0) {
 #pragma unroll
-        for (int u = 0; u < LIN_UNROLL; u++) {
+        for (int u = 0; u < LIN_UNROLL_MMA; u++) {
             const int k = (kw + KS * (i0 + u)) * 32;
             wv[u] = row_ok && i0 + u < mine && k < kmax ? __ldg((const uint4 *)(wrow + k))
                                                         : make_uint4(0, 0, 0, 0);
         }
     };
-    load_w(0); /* in flight while x is staged */
+    pdl_trigger();
+    load_w(0); /* in flight while the previous kernel ends and x is staged */
+    pdl_wait();
     lin_stage_x<E, E>(p, xs);
 
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const E *xrow = xs + (size_t)g * p.in_pad + q * 8;
     const bool tok_ok = g < p.T;
-    for (int i0 = 0; i0 < mine; i0 += LIN_UNROLL) {
+    for (int i0 = 0; i0 < mine; i0 += LIN_UNROLL_MMA) {
         if (i0) load_w(i0);
 #pragma unroll
-        for (int u = 0; u < LIN_UNROLL; u++) {
+        for (int u = 0; u < LIN_UNROLL_MMA; u++) {
             if (i0 + u >= mine) break;
             const int k = (kw + KS * (i0 + u)) * 32;
             const uint4 xv = tok_ok ? *(const uint4 *)(xrow + k) : make_uint4(0, 0, 0, 0);
@@ -281,7 +322,9 @@ __global__ void __launch_bounds__(LIN_THREADS) linear_simt_kernel(lin_params p) 
             }
         }
     };
+    pdl_trigger();
     load_w(0);
+    pdl_wait();
     lin_stage_x<E, float>(p, xs);
 
     float acc[LIN_MAX_T];
@@ -347,6 +390,8 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
         e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
     if (e != cudaSuccess) return e;
     env->mma_ok = major >= 8;
+    const char *pdl = getenv("PDSERVE_CUDA_PDL");
+    env->pdl = major >= 9 && !(pdl && strcmp(pdl, "0") == 0);
     /* The kernels' static shared memory (the partial sums) comes off the top. */
     env->smem_max = (size_t)optin > 4096 ? (size_t)optin - 4096 : 0;
     const pd_dtype dts[] = {PD_F32, PD_F16, PD_BF16};
@@ -382,13 +427,26 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     /* More tiles per block share one copy of x (less L2 traffic as T
      * grows), fewer give more blocks (better spread over the SMs). */
     int ntile = p.T <= 2 ? 1 : p.T <= 4 ? 2 : 4;
+    /* Very many outputs (the LM head: 50,272) leave blocks enough at 4
+     * tiles, and each block's fixed cost (staging and normalising x) is
+     * then paid a quarter as often. */
+    if ((p.out + 7) / 8 >= 32 * env->sm_count) ntile = 4;
     while (ntile > 1 && (p.out + 8 * ntile - 1) / (8 * ntile) < env->sm_count)
         ntile /= 2;
     const unsigned blocks = (unsigned)((p.out + 8 * ntile - 1) / (8 * ntile));
     void *k = lin_kernel_for(dt, mma, ntile);
     void *args[] = {&p};
-    cudaLaunchKernel(k, dim3(blocks), dim3(LIN_THREADS), args, smem,
-                     env->stream); /* errors: cudaGetLastError */
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(LIN_THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = env->stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = env->pdl ? 1 : 0;
+    cudaLaunchKernelExC(&cfg, k, args); /* errors: cudaGetLastError */
     return true;
 }
 

@@ -142,6 +142,14 @@ static void run_scenarios(rig *r) {
     opt_seq_step batch[3] = {seq_step(r, 1, &tok, 1, at), seq_step(r, 2, prompt + 40, 9, 0),
                              seq_step(r, 0, prompt + 37, 12, 37)};
     step_both(r, "batch of 3", batch, 3);
+
+    /* pdserve score's all-position pass: one 1-token sequence per position,
+     * all on one block table, so each position reads K/V that the others
+     * write in the same step (sequence 3's table; 20 positions). */
+    opt_seq_step per_pos[20];
+    for (int i = 0; i < 20; i++)
+        per_pos[i] = seq_step(r, 3, prompt + i, 1, i);
+    step_both(r, "one sequence per position, shared table", per_pos, 20);
 }
 
 /* Decode steps through the GPU's recorded graphs. */
