@@ -24,8 +24,9 @@
  *    permutation.
  *  - fp32 (and 16-bit shapes whose rows are not 16-byte aligned): the same
  *    tiling with fp32 FMAs; no TF32, so "cuda" stays comparable to the CPU.
- *  - The epilogue adds the bias, applies the activation and adds y when
- *    accumulating, in fp32, and rounds once to the storage type.
+ *  - The epilogue adds the bias and applies the activation in fp32, rounds
+ *    to the storage type and, when accumulating, adds y and rounds again
+ *    (the rounding points of the unfused ops).
  *
  * Larger T (prefill): the layer norm kernel into f->ln_out, then one
  * cublasLtMatmul with the bias (and ReLU) in its epilogue and beta = 1 on y
@@ -199,7 +200,11 @@ __device__ void lin_epilogue(const lin_params &p, const float *red) {
     if (p.bias) v += to_f32(((const E *)p.bias)[row]);
     if (p.activate) v = act_apply(v, p.act);
     E *y = (E *)p.y + (size_t)t * p.out + row;
-    if (p.accumulate) v += to_f32(*y);
+    /* Round the product to the storage type before the residual is added,
+     * as the unfused composition (and Hugging Face's Linear, then add) do:
+     * one rounding less would differ from them by an ulp now and then, and
+     * at a near tie that is a different greedy token. */
+    if (p.accumulate) v = to_f32(from_f32<E>(v)) + to_f32(*y);
     *y = from_f32<E>(v);
 }
 
@@ -573,9 +578,10 @@ int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x
         x = f->ln_out;
         x_stride = in;
     }
-    /* An activation must see the product before y is added: then the
+    /* An activation must see the product before y is added, and a 16-bit
+     * product is rounded before it is added (see lin_epilogue): then the
      * product goes to acc_tmp and is added afterwards. */
-    const bool via_tmp = f->accumulate && f->activate;
+    const bool via_tmp = f->accumulate && (f->activate || dt != PD_F32);
     void *dst = via_tmp ? f->acc_tmp : y;
     const bool relu_in_epi = f->activate && f->act == PD_ACT_RELU;
     const int beta_one = f->accumulate && !via_tmp;
