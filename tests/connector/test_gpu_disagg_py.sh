@@ -9,11 +9,7 @@ set -u
 bin=${PDSERVE_BIN:?}
 src=${PDSERVE_SRC:?}
 build=${PDSERVE_BUILD:-$(dirname "$bin")}
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
+. "$(dirname "$0")/../common/checks.sh"
 command -v python3 >/dev/null || { echo "FAIL: python3 not installed"; exit 1; }
 "$bin" make-model "$tmp/m" --preset tiny --seed 4 >/dev/null 2>&1 || { echo "FAIL: make-model"; exit 1; }
 
@@ -34,8 +30,7 @@ python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); assert j["passed"] 
 
 # nccl cannot start without a GPU: a clean failure naming the log, no leftovers.
 if nvidia-smi -L >/dev/null 2>&1; then
-  echo "$pass passed, $fail failed (the no-GPU failure case skipped: a GPU is visible)"
-  [ "$fail" -eq 0 ]
+  checks_done "the no-GPU failure case skipped: a GPU is visible"
   exit
 fi
 run --transport nccl --check-dtype float32 --skip-bench --start-timeout 30 >"$tmp/out2" 2>&1
@@ -45,5 +40,4 @@ grep -q 'gpu-disagg: FAIL: .*exited' "$tmp/out2" && grep -q 'last .* lines ---' 
   bad "failure report: $(tail -20 "$tmp/out2")"
 [ "$(children)" -eq 0 ] && ok || bad "processes left behind after the failure"
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+checks_done

@@ -7,16 +7,7 @@
 # flags are one-line errors with exit status 2.
 set -u
 bin=${PDSERVE_BIN:?}
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
-expect_rc() { # expected-rc description command...
-  local want=$1 what=$2; shift 2
-  "$@" >"$tmp/out" 2>"$tmp/err"; local rc=$?
-  if [ "$rc" -eq "$want" ]; then ok; else bad "$what: exit $rc, wanted $want ($(head -c 400 "$tmp/err"))"; fi
-}
+. "$(dirname "$0")/../common/checks.sh"
 # json_num KEY: the number KEY has in the JSON line in $tmp/out.
 json_num() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p" "$tmp/out"; }
 
@@ -70,5 +61,4 @@ grep -q 'exceeds max_model_len 64' "$tmp/err" && [ "$(wc -l <"$tmp/err")" -eq 1 
 expect_rc 2 "unknown flag" "$bin" bench-throughput "$tmp/m" --bogus 1
 expect_rc 2 "bad dtype" "$bin" bench-throughput "$tmp/m" --dtype float8
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+checks_done

@@ -5,16 +5,7 @@
 # with exit status 2 for bad flags/values.
 set -u
 bin=${PDSERVE_BIN:?}
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
-expect_rc() { # expected-rc description command...
-  local want=$1 what=$2; shift 2
-  "$@" >"$tmp/out" 2>"$tmp/err"; local rc=$?
-  if [ "$rc" -eq "$want" ]; then ok; else bad "$what: exit $rc, wanted $want ($(head -c 300 "$tmp/err"))"; fi
-}
+. "$(dirname "$0")/../common/checks.sh"
 
 expect_rc 0 "make-model tiny" "$bin" make-model "$tmp/m" --preset tiny --seed 3
 [ -f "$tmp/m/config.json" ] && [ -f "$tmp/m/model.safetensors" ] && [ -f "$tmp/m/vocab.json" ] && ok || bad "model files"
@@ -77,5 +68,4 @@ expect_rc 2 "bench-kv bad transport" "$bin" bench-kv --transport udp
 PDSERVE_HOME="$tmp/home" "$bin" generate --prompt "hi" --max-tokens 4 >"$tmp/d" 2>"$tmp/err" && ok || bad "default model: $(cat "$tmp/err")"
 ls "$tmp"/home/models/default-*/config.json >/dev/null 2>&1 && ok || bad "default model directory"
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+checks_done

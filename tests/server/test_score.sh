@@ -9,16 +9,7 @@
 # scripts/compare-hf.py's comparison logic against another pdserve backend.
 set -u
 bin=${PDSERVE_BIN:?}
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-pass=0 fail=0
-ok() { pass=$((pass + 1)); }
-bad() { fail=$((fail + 1)); echo "FAIL: $*" >&2; }
-expect_rc() { # expected-rc description command...
-  local want=$1 what=$2; shift 2
-  "$@" >"$tmp/out" 2>"$tmp/err"; local rc=$?
-  if [ "$rc" -eq "$want" ]; then ok; else bad "$what: exit $rc, wanted $want ($(head -c 300 "$tmp/err"))"; fi
-}
+. "$(dirname "$0")/../common/checks.sh"
 command -v python3 >/dev/null || { echo "FAIL: python3 not installed (scripts/setup-deps.sh installs it)"; exit 1; }
 
 expect_rc 0 "make-model" "$bin" make-model "$tmp/m" --preset tiny --seed 5
@@ -199,5 +190,4 @@ expect_rc 1 "compare-hf, other weights" python3 "$src/scripts/compare-hf.py" "$t
 grep -q '^RESULT: FAIL' "$tmp/out" && grep -q 'first divergent step' "$tmp/out" && ok ||
   bad "compare-hf should fail on other weights: $(tail -5 "$tmp/out")"
 
-echo "$pass passed, $fail failed"
-[ "$fail" -eq 0 ]
+checks_done
