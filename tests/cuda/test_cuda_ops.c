@@ -686,6 +686,45 @@ static void test_errors(void) {
     pd_backend_destroy(be);
 }
 
+/* ---- argmax: every row length and alignment, ties, NaN, -inf ----
+ * Values on a coarse grid, so most rows have many-way ties at the top;
+ * odd row lengths put rows 1 and 2 off the 16-byte loads' alignment. The
+ * host rule: the first non-NaN value, then strictly greater (the lowest
+ * index of the maximum); a row of only NaN gives 0. */
+static void test_argmax(const pair *p) {
+    const int lens[] = {1, 3, 7, 8, 9, 100, 1023, 4097, 50265, 50272};
+    pd_backend *g = p->gpu;
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+        const int n = lens[li], rows = 5;
+        float *h = malloc(sizeof(float) * (size_t)rows * n);
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < n; i++)
+                h[(size_t)r * n + i] = (float)(urand() % 17) * 0.25f - 2.0f;
+        h[n - 1] = 100.0f;                                   /* row 0: the last wins */
+        for (int i = 0; i < n; i++) h[(size_t)2 * n + i] = -INFINITY; /* row 2: all -inf */
+        if (n > 2) h[(size_t)2 * n + n / 2] = NAN;
+        for (int i = 0; i < n; i++) h[(size_t)3 * n + i] = NAN; /* row 3: all NaN */
+        for (int i = 0; i < n; i += 3) h[(size_t)4 * n + i] = NAN; /* row 4: NaN among ties */
+        void *dx = up_f32(g, h, (size_t)rows * n);
+        pd_err err;
+        int32_t *dids = g->alloc(g, sizeof(int32_t) * rows, &err), ids[5];
+        g->argmax(g, dids, dx, rows, n);
+        CHECKF(g->copy_d2h(g, ids, dids, sizeof ids, &err) == 0, "%s", err.msg);
+        float *dv = down(g, dx, (size_t)rows * n); /* the values as the device holds them */
+        for (int r = 0; r < rows; r++) {
+            const float *row = dv + (size_t)r * n;
+            int best = -1;
+            for (int i = 0; i < n; i++)
+                if (!isnan(row[i]) && (best < 0 || row[i] > row[best])) best = i;
+            if (best < 0) best = 0;
+            CHECKF(ids[r] == best, "%s argmax n=%d row %d: %d, host %d", p->variant, n, r, ids[r],
+                   best);
+        }
+        g->free(g, dx), g->free(g, dids);
+        free(h), free(dv);
+    }
+}
+
 /* ---- token choice: argmax and the sample op against model/sampler.c ----
  * For each parameter set and each u of a grid, the device's token must be
  * the one the host sampler's distribution (sampler_probs, on the very
@@ -785,6 +824,7 @@ static void run_variant(const char *variant, double tol) {
         test_elementwise(&p);
         test_rows(&p);
         test_attention(&p);
+        test_argmax(&p);
         test_sampling(&p);
     }
     pd_backend_destroy(p.gpu);
