@@ -480,22 +480,58 @@ static int copy_meta(pd_backend *be, void *dst, const void *src, size_t bytes, p
                               : be->copy_h2d(be, dst, src, bytes, err);
 }
 
-/* Fill the host metadata, upload it in one copy and point meta into it.
- * Layout: token_ids, positions, token_seq, slot_mapping [T each],
- * block_tables [n_seqs * max_blocks], seq_lens [n_seqs], seq_q_start [n_seqs + 1],
- * logit_rows [n_logits]. */
-static int upload_meta(opt_model *m, const opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
-                       int T, int n_logits, int max_blocks, pd_step_meta *meta,
-                       const int32_t **logit_rows, pd_err *err) {
-    int32_t *h = m->s.meta_host;
-    int32_t *ids = h, *pos = h + T, *seq = h + 2 * T, *slot = h + 3 * T;
-    int32_t *tables = h + 4 * T, *lens = tables + (size_t)n_seqs * max_blocks;
-    int32_t *q_start = lens + n_seqs, *rows = q_start + n_seqs + 1;
-    const int bs = kv->block_size;
-    int t = 0, r = 0, max_q = 0;
+/* Whether two of the step's sequences share one block table (pd_step_meta
+ * shared_tables): pointer identity, found with a small open-addressing set
+ * so that a 512-sequence step costs 512 probes, not 130k comparisons. */
+static int tables_shared(const opt_seq_step *seqs, int n_seqs) {
+    enum { SET = 1024 };
+    const int32_t *set[SET] = {0};
+    if (n_seqs > SET / 2) { /* too many for the set: compare every pair */
+        for (int i = 1; i < n_seqs; i++)
+            for (int j = 0; j < i; j++)
+                if (seqs[i].block_table == seqs[j].block_table) return 1;
+        return 0;
+    }
     for (int i = 0; i < n_seqs; i++) {
-        const opt_seq_step *s = &seqs[i];
+        const int32_t *t = seqs[i].block_table;
+        size_t h = ((uintptr_t)t >> 4) * 0x9E3779B97F4A7C15ull >> 54; /* 10 bits */
+        while (set[h] && set[h] != t) h = (h + 1) % SET;
+        if (set[h] == t) return 1;
+        set[h] = t;
+    }
+    return 0;
+}
+
+/* The one writer of step metadata, into host buffer h (its device copy at
+ * d): the n_seqs sequences, then padding up to n_pad sequences (n_pad >
+ * n_seqs only for a graph recording's fixed batch: a padding sequence
+ * decodes token 0 at position 0 of block 0, which it only reads, since
+ * slot -1 keeps kv_write away, and its output is ignored). Block-table rows
+ * are max_blocks wide. Points meta and *logit_rows into d and returns the
+ * number of int32 entries written. Layout: token_ids, positions, token_seq,
+ * slot_mapping [T each], block_tables [S * max_blocks], seq_lens [S],
+ * seq_q_start [S + 1], logit_rows [n_logits] (S = n_pad). */
+static size_t fill_meta(int32_t *h, const int32_t *d, const opt_kv_storage *kv,
+                        const opt_seq_step *seqs, int n_seqs, int n_pad, int T, int n_logits,
+                        int max_blocks, pd_step_meta *meta, const int32_t **logit_rows) {
+    const int S = n_pad, bs = kv->block_size;
+    int32_t *ids = h, *pos = h + T, *seq = h + 2 * T, *slot = h + 3 * T;
+    int32_t *tables = h + 4 * T, *lens = tables + (size_t)S * max_blocks;
+    int32_t *q_start = lens + S, *rows = q_start + S + 1;
+    int t = 0, r = 0, max_q = 1;
+    for (int i = 0; i < S; i++) {
+        int32_t *row = tables + (size_t)i * max_blocks;
         q_start[i] = t;
+        if (i >= n_seqs) { /* padding */
+            ids[t] = 0, pos[t] = 0, seq[t] = i, slot[t] = -1;
+            t++;
+            row[0] = 0;
+            for (int b = 1; b < max_blocks; b++) row[b] = -1;
+            lens[i] = 1;
+            rows[r++] = t - 1;
+            continue;
+        }
+        const opt_seq_step *s = &seqs[i];
         if (s->n_tokens > max_q) max_q = s->n_tokens;
         for (int j = 0; j < s->n_tokens; j++, t++) {
             const int p = s->start_pos + j;
@@ -505,36 +541,25 @@ static int upload_meta(opt_model *m, const opt_kv_storage *kv, const opt_seq_ste
             slot[t] = s->block_table[p / bs] * bs + p % bs;
         }
         const int need = (s->start_pos + s->n_tokens + bs - 1) / bs;
-        for (int b = 0; b < max_blocks; b++)
-            tables[(size_t)i * max_blocks + b] = b < need ? s->block_table[b] : -1;
+        for (int b = 0; b < max_blocks; b++) row[b] = b < need ? s->block_table[b] : -1;
         lens[i] = s->start_pos + s->n_tokens;
         if (s->want_logits) rows[r++] = t - 1;
     }
-    q_start[n_seqs] = t;
-    const size_t n = (size_t)(4 * T) + (size_t)n_seqs * max_blocks + 2 * n_seqs + 1 + n_logits;
-    if (copy_meta(m->be, m->s.meta_dev, h, n * sizeof(int32_t), err) != 0)
-        return pd_wrap(err, "opt forward: step metadata");
-    const int32_t *d = m->s.meta_dev;
+    q_start[S] = t;
     meta->n_tokens = T;
-    meta->n_seqs = n_seqs;
+    meta->n_seqs = S;
     meta->max_blocks = max_blocks;
     meta->token_ids = d;
     meta->positions = d + T;
     meta->token_seq = d + 2 * T;
     meta->slot_mapping = d + 3 * T;
     meta->block_tables = d + 4 * T;
-    meta->seq_lens = meta->block_tables + (size_t)n_seqs * max_blocks;
-    meta->seq_q_start = meta->seq_lens + n_seqs;
+    meta->seq_lens = meta->block_tables + (size_t)S * max_blocks;
+    meta->seq_q_start = meta->seq_lens + S;
     meta->max_q_len = max_q;
-    meta->shared_tables = 0;
-    for (int i = 1; i < n_seqs && !meta->shared_tables; i++)
-        for (int j = 0; j < i; j++)
-            if (seqs[i].block_table == seqs[j].block_table) {
-                meta->shared_tables = 1;
-                break;
-            }
-    *logit_rows = meta->seq_q_start + n_seqs + 1;
-    return 0;
+    meta->shared_tables = tables_shared(seqs, n_seqs);
+    *logit_rows = meta->seq_q_start + S + 1;
+    return (size_t)(4 * T) + (size_t)S * max_blocks + 2 * (size_t)S + 1 + (size_t)n_logits;
 }
 
 #define OPT_LN_EPS 1e-5f
@@ -784,57 +809,9 @@ static bool graph_step_fits(const opt_model *m, const opt_seq_step *seqs, int n_
     if (!m->g.enabled || n_seqs < 1 || n_seqs > m->g.max_batch) return false;
     for (int i = 0; i < n_seqs; i++)
         if (seqs[i].n_tokens != 1 || !seqs[i].want_logits) return false;
-    return true;
-}
-
-/* Metadata of a padded decode step, in the fixed layout of its recording:
- * B tokens and sequences, block tables of max_blocks entries. Padding
- * sequences decode token 0 at position 0 of block 0 (which they only read:
- * slot -1 keeps kv_write away from it) and their outputs are ignored. */
-static void graph_fill_meta(const opt_model *m, const opt_kv_storage *kv, const opt_seq_step *seqs,
-                            int n_seqs, int B, pd_step_meta *meta, const int32_t **logit_rows) {
-    const int MB = m->g.max_blocks, bs = kv->block_size;
-    int32_t *h = m->g.meta_host;
-    int32_t *ids = h, *pos = h + B, *seq = h + 2 * B, *slot = h + 3 * B;
-    int32_t *tables = h + 4 * B, *lens = tables + (size_t)B * MB, *q_start = lens + B;
-    int32_t *rows = q_start + B + 1;
-    for (int i = 0; i < B; i++) {
-        int32_t *row = tables + (size_t)i * MB;
-        if (i < n_seqs) {
-            const opt_seq_step *s = &seqs[i];
-            const int p = s->start_pos, need = (p + 1 + bs - 1) / bs;
-            ids[i] = s->tokens[0];
-            pos[i] = p;
-            slot[i] = s->block_table[p / bs] * bs + p % bs;
-            for (int b = 0; b < MB; b++) row[b] = b < need ? s->block_table[b] : -1;
-            lens[i] = p + 1;
-        } else {
-            ids[i] = 0;
-            pos[i] = 0;
-            slot[i] = -1;
-            row[0] = 0;
-            for (int b = 1; b < MB; b++) row[b] = -1;
-            lens[i] = 1;
-        }
-        seq[i] = i;
-        q_start[i] = i;
-        rows[i] = i;
-    }
-    q_start[B] = B;
-    const int32_t *d = m->g.meta_dev;
-    meta->n_tokens = B;
-    meta->n_seqs = B;
-    meta->max_blocks = MB;
-    meta->token_ids = d;
-    meta->positions = d + B;
-    meta->token_seq = d + 2 * B;
-    meta->slot_mapping = d + 3 * B;
-    meta->block_tables = d + 4 * B;
-    meta->seq_lens = meta->block_tables + (size_t)B * MB;
-    meta->seq_q_start = meta->seq_lens + B;
-    meta->max_q_len = 1;
-    meta->shared_tables = 0; /* the engine's sequences own their tables */
-    *logit_rows = meta->seq_q_start + B + 1;
+    /* A recording is made for sequences with tables of their own (it may
+     * fuse each token's kv_write into its attention). */
+    return !tables_shared(seqs, n_seqs);
 }
 
 static size_t graph_meta_entries(int B, int MB) {
@@ -868,9 +845,9 @@ static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *s
     }
     pd_step_meta meta;
     const int32_t *logit_rows = NULL;
-    graph_fill_meta(m, kv, seqs, n_seqs, B, &meta, &logit_rows);
-    if (copy_meta(be, g->meta_dev, g->meta_host,
-                  graph_meta_entries(B, g->max_blocks) * sizeof(int32_t), err) != 0)
+    const size_t n = fill_meta(g->meta_host, (const int32_t *)g->meta_dev, kv, seqs, n_seqs, B, B, B,
+                               g->max_blocks, &meta, &logit_rows);
+    if (copy_meta(be, g->meta_dev, g->meta_host, n * sizeof(int32_t), err) != 0)
         return pd_wrap(err, "opt graphs: step metadata");
     if (!g->exec[idx]) {
         if (be->graph_begin(be, err) != 0) return -1;
@@ -901,8 +878,10 @@ int opt_forward_ex(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, i
     if (scratch_reserve(m, T, n_logits, n_meta, err) != 0) return -1;
     pd_step_meta meta;
     const int32_t *logit_rows = NULL;
-    if (upload_meta(m, kv, seqs, n_seqs, T, n_logits, max_blocks, &meta, &logit_rows, err) != 0)
-        return -1;
+    const size_t n = fill_meta(m->s.meta_host, (const int32_t *)m->s.meta_dev, kv, seqs, n_seqs, n_seqs, T,
+                               n_logits, max_blocks, &meta, &logit_rows);
+    if (copy_meta(m->be, m->s.meta_dev, m->s.meta_host, n * sizeof(int32_t), err) != 0)
+        return pd_wrap(err, "opt forward: step metadata");
     forward_ops(m, kv, &meta, n_logits, logit_rows);
     return read_outputs(m, n_logits, logits, ids, sample_params, err);
 }
