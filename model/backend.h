@@ -93,6 +93,9 @@ struct pd_backend {
      * sizing the KV cache from a fraction of the device. NULL when the
      * backend's memory is the host's (the CPU backend). */
     int (*mem_info)(pd_backend *be, size_t *free_bytes, size_t *total_bytes, pd_err *err);
+    /* Bytes of device memory this backend holds through its allocations
+     * (not the driver's own), or NULL where mem_info is NULL. */
+    size_t (*bytes_allocated)(pd_backend *be);
 
     /* --- compute (x, y: [rows, dim] row-major, compute dtype) --- */
     /* y[T,out] = x[T,in] . W[out,in]^T (+ bias[out] when bias != NULL).

@@ -189,6 +189,10 @@ def start_stack(a, dtype, model, pdserve, pdproxy, log_dir, tag):
     px, disc, p_http, d_http, c_http, p_kv, d_kv = free_ports(7)
     common = [model, "--host", "127.0.0.1", "--served-model-name", "m", "--device", a.device,
               "--dtype", dtype, "--max-model-len", str(a.max_model_len), "--log-level", a.log_level]
+    if a.device != "cpu":
+        # Three instances share one GPU: each takes a share of its memory, as
+        # vLLM instances side by side must (the default 0.9 fits only one).
+        common += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
     try:
         stack.start(tag + "-proxy", [pdproxy, "--host", "127.0.0.1", "--port", str(px), "--discovery-port",
                                      str(disc), "--discovery-host", "127.0.0.1", "--log-level", a.log_level],
@@ -418,6 +422,8 @@ def main():
     ap.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
     ap.add_argument("--transport", default="tcp", choices=["tcp", "nccl"])
     ap.add_argument("--decode-block-size", type=int, default=16)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
+                    help="each instance's share of the GPU (three run on one)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--start-timeout", type=float, default=180)
     ap.add_argument("--skip-bench", action="store_true")

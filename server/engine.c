@@ -611,6 +611,8 @@ static int engine_load_and_size(engine *e, kv_sizing *ks, pd_err *err) {
     const bool measure = kv_sizing_uses_device(&rq);
     if (measure) {
         if (e->be->mem_info(e->be, &dev.free_at_start, &dev.total, err) != 0) return -1;
+        dev.counts_own = e->be->bytes_allocated != NULL;
+        if (dev.counts_own) dev.own_at_start = e->be->bytes_allocated(e->be);
         if (kv_sizing_check_start(cfg->gpu_memory_utilization, dev.total, dev.free_at_start, err) != 0)
             return -1;
     }
@@ -633,13 +635,11 @@ static int engine_load_and_size(engine *e, kv_sizing *ks, pd_err *err) {
         if (engine_profile_step(e, &profiled, err) != 0) return -1;
         size_t total = 0;
         if (e->be->mem_info(e->be, &dev.free_after_profile, &total, err) != 0) return -1;
+        if (dev.counts_own) dev.own_after_profile = e->be->bytes_allocated(e->be);
         pd_log(PD_LOG_INFO,
                "memory profile: %.2f GiB weights, %.2f GiB in use by this instance after a step of %ld "
                "tokens (%.2f s); %.2f GiB of %.2f GiB free on the device",
-               dev.weight_bytes / 1073741824.0,
-               dev.free_at_start > dev.free_after_profile
-                   ? (dev.free_at_start - dev.free_after_profile) / 1073741824.0
-                   : 0.0,
+               dev.weight_bytes / 1073741824.0, kv_sizing_instance_bytes(&dev) / 1073741824.0,
                profiled, pd_now() - t0, dev.free_after_profile / 1073741824.0,
                dev.total / 1073741824.0);
     }

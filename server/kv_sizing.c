@@ -45,6 +45,23 @@ int kv_sizing_check_weights(double utilization, size_t total, size_t weight_byte
     return 0;
 }
 
+size_t kv_sizing_instance_bytes(const kv_device_memory *d) {
+    const size_t fall =
+        d->free_at_start > d->free_after_profile ? d->free_at_start - d->free_after_profile : 0;
+    size_t used = fall;
+    if (d->counts_own) {
+        const size_t own = d->own_after_profile > d->own_at_start
+                               ? d->own_after_profile - d->own_at_start
+                               : 0;
+        size_t untracked = fall > own ? fall - own : 0;
+        if (untracked > KV_SIZING_UNTRACKED_MAX) untracked = KV_SIZING_UNTRACKED_MAX;
+        used = own + untracked;
+    }
+    /* Free memory that rose meanwhile (another process freed some) must
+     * not make this instance look smaller than its weights. */
+    return used > d->weight_bytes ? used : d->weight_bytes;
+}
+
 /* Rule 3 of kv_sizing.h. */
 static int blocks_from_device(const kv_sizing_request *r, int need, int *n_blocks, pd_err *err) {
     const kv_device_memory *d = r->dev;
@@ -52,13 +69,7 @@ static int blocks_from_device(const kv_sizing_request *r, int need, int *n_block
     if (!(u > 0 && u <= 1)) return pd_fail(err, "--gpu-memory-utilization: %g is not in (0, 1]", u);
     if (kv_sizing_check_weights(u, d->total, d->weight_bytes, err) != 0) return -1;
     const double budget = u * (double)d->total;
-    /* Free memory can only fall by what this process allocated, unless
-     * another process released memory meanwhile; never count less than the
-     * weights. */
-    double used = d->free_at_start > d->free_after_profile
-                      ? (double)(d->free_at_start - d->free_after_profile)
-                      : 0;
-    if (used < (double)d->weight_bytes) used = (double)d->weight_bytes;
+    const double used = (double)kv_sizing_instance_bytes(d);
     const double other = used - (double)d->weight_bytes; /* activations, workspaces, staging */
     const double left = budget - used;
     if (left < (double)r->block_bytes * need)

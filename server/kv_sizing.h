@@ -8,9 +8,15 @@
  *   3. on a device that reports its memory (CUDA), --gpu-memory-utilization U:
  *        blocks = (U * total - memory this process uses after loading the
  *                  weights and running the largest step once) / block bytes;
- *      "memory this process uses" is how much the device's free memory fell
- *      since the backend was created, so other processes on the same GPU
- *      (a second instance of a 1P1D pair) are not counted against U;
+ *      "memory this process uses" is what its backend allocated meanwhile
+ *      (weights, scratch, staging: the backend counts them) plus whatever
+ *      else the device's free memory fell by since the backend was
+ *      created (the driver's own: module code, graph executables), but at
+ *      most KV_SIZING_UNTRACKED_MAX of that: a larger fall is another
+ *      process allocating at the same time (instances of a 1P1D pair
+ *      starting together on one GPU), which must not count against U.
+ *      A backend that does not count its allocations is charged the whole
+ *      fall;
  *   4. on the CPU, a fixed 4e9 bytes (vLLM's VLLM_CPU_KVCACHE_SPACE default).
  * Whatever the source, the cache must hold one sequence of max_model_len. */
 #ifndef PD_SERVER_KV_SIZING_H
@@ -29,7 +35,17 @@ typedef struct kv_device_memory {
     size_t free_at_start;      /* free once the backend existed, before the weights */
     size_t free_after_profile; /* free after the weights and the profiling step */
     size_t weight_bytes;       /* the weights' share (for the messages) */
+    int counts_own;            /* the backend counts its allocations: the two below */
+    size_t own_at_start;       /* bytes it held when free_at_start was read */
+    size_t own_after_profile;  /* and when free_after_profile was */
 } kv_device_memory;
+
+/* Driver allocations beyond the backend's own that one instance is
+ * charged at most (rule 3). */
+#define KV_SIZING_UNTRACKED_MAX ((size_t)1 << 30)
+
+/* Memory this instance uses after the profile (rule 3), at least the weights. */
+size_t kv_sizing_instance_bytes(const kv_device_memory *d);
 
 typedef struct kv_sizing_request {
     size_t block_bytes; /* K+V of all layers for one block (opt_kv_block_bytes) */

@@ -73,6 +73,15 @@ typedef struct cuda_ctx {
     int failed;    /* a deferred error is pending */
     char err[256]; /* its message */
     char name[48];
+    /* Every live cudaMalloc of this backend and their sum (bytes_allocated):
+     * KV sizing counts its own memory from this, since the device's free
+     * memory also falls when another process on the GPU allocates. */
+    struct cuda_alloc_rec {
+        void *p;
+        size_t bytes;
+    } *allocs;
+    int n_allocs, cap_allocs;
+    size_t bytes_live;
 } cuda_ctx;
 
 static cuda_ctx *ctx_of(pd_backend *be) {
@@ -227,6 +236,35 @@ static int cu_wait(cuda_ctx *c, const char *what, pd_err *err) {
 
 /* ---- memory ---- */
 
+/* Remember p (bytes) among the live allocations; -1 when the record does
+ * not fit in host memory. */
+static int cu_track(cuda_ctx *c, void *p, size_t bytes) {
+    if (c->n_allocs == c->cap_allocs) {
+        int cap = c->cap_allocs ? 2 * c->cap_allocs : 256;
+        void *grown = realloc(c->allocs, (size_t)cap * sizeof *c->allocs);
+        if (!grown) return -1;
+        c->allocs = (cuda_ctx::cuda_alloc_rec *)grown;
+        c->cap_allocs = cap;
+    }
+    c->allocs[c->n_allocs].p = p;
+    c->allocs[c->n_allocs].bytes = bytes;
+    c->n_allocs++;
+    c->bytes_live += bytes;
+    return 0;
+}
+
+/* cudaFree and forget p. Searched from the end: the buffers freed in a
+ * server's life (staging and scratch that grow) are the recent ones. */
+static void cu_free_raw(cuda_ctx *c, void *p) {
+    for (int i = c->n_allocs - 1; i >= 0; i--)
+        if (c->allocs[i].p == p) {
+            c->bytes_live -= c->allocs[i].bytes;
+            c->allocs[i] = c->allocs[--c->n_allocs];
+            break;
+        }
+    cudaFree(p);
+}
+
 static void *cu_alloc_raw(cuda_ctx *c, size_t bytes, pd_err *err) {
     void *p = NULL;
     if (bytes == 0) bytes = 1; /* callers treat NULL as failure */
@@ -241,6 +279,11 @@ static void *cu_alloc_raw(cuda_ctx *c, size_t bytes, pd_err *err) {
                 bytes, free_b / 1048576.0, total_b / 1048576.0, c->device, cudaGetErrorString(e));
         return NULL;
     }
+    if (cu_track(c, p, bytes) != 0) {
+        cudaFree(p);
+        pd_fail(err, "cuda backend: out of host memory for the allocation records");
+        return NULL;
+    }
     return p;
 }
 
@@ -252,7 +295,7 @@ static void *cu_alloc(pd_backend *be, size_t bytes, pd_err *err) {
     /* Zeroed, as backend.h promises; ordered before any later op on the stream. */
     cudaError_t e = cudaMemsetAsync(p, 0, bytes ? bytes : 1, c->stream);
     if (e != cudaSuccess) {
-        cudaFree(p);
+        cu_free_raw(c, p);
         pd_fail(err, "cuda backend: zeroing %zu bytes: %s", bytes, cudaGetErrorString(e));
         return NULL;
     }
@@ -264,7 +307,11 @@ static void cu_free(pd_backend *be, void *p) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
     cudaStreamSynchronize(c->stream); /* queued ops may still read it */
-    cudaFree(p);
+    cu_free_raw(c, p);
+}
+
+static size_t cu_bytes_allocated(pd_backend *be) {
+    return ctx_of(be)->bytes_live;
 }
 
 static int cu_mem_info(pd_backend *be, size_t *free_bytes, size_t *total_bytes, pd_err *err) {
@@ -588,6 +635,7 @@ static void cu_destroy(pd_backend *be) {
         if (c->attn_work) cudaFree(c->attn_work);
         if (c->attn_counters) cudaFree(c->attn_counters);
         if (c->stream) cudaStreamDestroy(c->stream);
+        free(c->allocs);
         free(c);
     }
     free(be);
@@ -734,6 +782,7 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->upload_view = cu_upload_view;
     be->sync = cu_sync;
     be->mem_info = cu_mem_info;
+    be->bytes_allocated = cu_bytes_allocated;
     be->gemm = cu_gemm;
     be->linear = cu_linear;
     be->layer_norm = cu_layer_norm;

@@ -81,6 +81,40 @@ static void test_device(void) {
     CHECK(kv_sizing_compute(&r, &s, &err) == 0 && s.num_blocks == (int)(1e9 / BLOCK_BYTES));
 }
 
+/* Three instances starting together on one GPU (gpu-disagg.py's case):
+ * while this one profiles, the others allocate their KV caches, so the
+ * device's free memory falls by far more than this instance allocated.
+ * With the backend's own count it is charged its allocations and at most
+ * KV_SIZING_UNTRACKED_MAX of the rest; without it, the whole fall. */
+static void test_device_concurrent(void) {
+    kv_device_memory d = {
+        .total = 140 * GIB,
+        .free_at_start = 139 * GIB,
+        .weight_bytes = 250 * MIB,
+        .counts_own = 1,
+        .own_at_start = 64 * MIB,
+    };
+    /* ours: weights + 1 GiB of scratch; the driver: 200 MiB; others: 70 GiB */
+    d.own_after_profile = d.own_at_start + d.weight_bytes + GIB;
+    d.free_after_profile = d.free_at_start - d.weight_bytes - GIB - 200 * MIB - 70 * GIB;
+    CHECKF(kv_sizing_instance_bytes(&d) == d.weight_bytes + GIB + KV_SIZING_UNTRACKED_MAX,
+           "charged %zu", kv_sizing_instance_bytes(&d));
+    kv_device_memory alone = d; /* no other process: the driver's 200 MiB count in full */
+    alone.free_after_profile = d.free_at_start - d.weight_bytes - GIB - 200 * MIB;
+    CHECK(kv_sizing_instance_bytes(&alone) == d.weight_bytes + GIB + 200 * MIB);
+    kv_sizing_request r = request(&d);
+    r.gpu_memory_utilization = 0.25;
+    kv_sizing s;
+    pd_err err = {{0}};
+    CHECKF(kv_sizing_compute(&r, &s, &err) == 0, "%s", err.msg);
+    const double left = 0.25 * 140.0 * GIB - (double)kv_sizing_instance_bytes(&d);
+    CHECKF(s.num_blocks == (int)(left / (double)BLOCK_BYTES), "blocks %d", s.num_blocks);
+    /* A backend that does not count: charged the whole fall, no room left. */
+    d.counts_own = 0;
+    CHECK(kv_sizing_instance_bytes(&d) == d.free_at_start - d.free_after_profile);
+    CHECK(kv_sizing_compute(&r, &s, &err) == -1 && strstr(err.msg, "leaving 0.00 GiB"));
+}
+
 static void test_device_errors(void) {
     pd_err err = {{0}};
     /* Another process holds 40 GiB: 0.9 of 140 GiB cannot be had. */
@@ -161,6 +195,7 @@ static void test_describe(void) {
 
 int main(void) {
     test_device();
+    test_device_concurrent();
     test_device_errors();
     test_host();
     test_describe();
