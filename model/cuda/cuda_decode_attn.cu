@@ -29,6 +29,9 @@
 
 #define DEC_PART 256    /* positions per part (= threads per block) */
 #define DEC_THREADS 256
+/* Shared floats for the groups' partial outputs: groups * head_dim, at most
+ * DEC_THREADS * 8 (8 = 16-byte loads of 16-bit values). */
+#define DEC_ACC (DEC_THREADS * 8)
 
 __device__ __forceinline__ float dec_reduce(float v, float *red, bool is_max) {
     return cuda_block_reduce<DEC_THREADS>(v, red, is_max);
@@ -44,6 +47,7 @@ template <> __device__ __forceinline__ float dec_dot<__half>(const float *qs, co
     float s = 0.0f;
     if ((hd & 7) == 0) {
         const uint4 *k4 = (const uint4 *)k;
+#pragma unroll 4 /* several 16-byte loads in flight */
         for (int c = 0; c < hd / 8; c++) {
             const uint4 u = k4[c];
             const __half2 *h2 = (const __half2 *)&u;
@@ -63,6 +67,7 @@ __device__ __forceinline__ float dec_dot<__nv_bfloat16>(const float *qs, const _
     float s = 0.0f;
     if ((hd & 7) == 0) {
         const uint4 *k4 = (const uint4 *)k;
+#pragma unroll 4 /* several 16-byte loads in flight */
         for (int c = 0; c < hd / 8; c++) {
             const uint4 u = k4[c];
             const __nv_bfloat162 *b2 = (const __nv_bfloat162 *)&u;
@@ -86,7 +91,7 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
                                    const int32_t *block_tables, int max_blocks, int heads,
                                    int head_dim, int block_size, float scale, int n_parts) {
     pdl_trigger(); /* the next (PDL-launched) kernel may start loading its weights */
-    extern __shared__ float smem[]; /* [head_dim] q, [DEC_THREADS] partial outputs, [DEC_PART] e */
+    extern __shared__ float smem[]; /* [head_dim] q, [DEC_ACC] group sums, [DEC_PART] e */
     __shared__ float red[DEC_THREADS / 32];
     __shared__ int last_part;
     const int item = blockIdx.x, part_i = blockIdx.y;
@@ -106,7 +111,7 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
                 v_cache[at] = v_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
             }
     }
-    float *qs = smem, *acc_part = smem + head_dim, *e = acc_part + DEC_THREADS;
+    float *qs = smem, *acc_part = smem + head_dim, *e = acc_part + DEC_ACC;
     const T *qt = q + (size_t)t * q_stride + (size_t)h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) qs[d] = to_f32(qt[d]) * scale;
     __syncthreads(); /* also orders the k, v written above before their reads */
@@ -122,15 +127,43 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
     e[threadIdx.x] = ex;
     const float sum = dec_reduce(ex, red, false); /* its barriers also publish e[] */
 
-    const int groups = DEC_THREADS / head_dim;
-    const int g = threadIdx.x / head_dim, d = threadIdx.x % head_dim;
-    float acc = 0.0f;
-    if (g < groups)
+    /* o = sum e_p v_p. Vectorised (head_dim a multiple of one 16-byte load):
+     * head_dim / VEC lanes cover a V row in 16-byte loads and the block's
+     * DEC_THREADS / lanes groups take every groups-th position, so a
+     * ~200-position part is a handful of loads per thread, several in
+     * flight; otherwise groups of head_dim lanes read 1 element each.
+     * acc_part[g * head_dim + d]: group g's sum for dim d, added in group
+     * order below. */
+    constexpr int VEC = 16 / sizeof(T);
+    const bool vec = head_dim % VEC == 0 && DEC_THREADS % (head_dim / VEC) == 0 &&
+                     (uintptr_t)v_cache % 16 == 0;
+    const int lanes = vec ? head_dim / VEC : head_dim;
+    const int groups = DEC_THREADS / lanes;
+    const int g = threadIdx.x / lanes, c = threadIdx.x % lanes;
+    if (vec) {
+        float acc[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; j++) acc[j] = 0.0f;
+#pragma unroll 4
         for (int pp = p0 + g; pp < p1; pp += groups) {
             const size_t slot = (size_t)table[pp / block_size] * block_size + (size_t)(pp % block_size);
-            acc += e[pp - p0] * to_f32(v_cache[slot * row + (size_t)h * head_dim + d]);
+            const uint4 u = *(const uint4 *)(v_cache + slot * row + (size_t)h * head_dim + c * VEC);
+            const T *vv = (const T *)&u;
+            const float w = e[pp - p0];
+#pragma unroll
+            for (int j = 0; j < VEC; j++) acc[j] += w * to_f32(vv[j]);
         }
-    acc_part[threadIdx.x] = acc;
+#pragma unroll
+        for (int j = 0; j < VEC; j++) acc_part[g * head_dim + c * VEC + j] = acc[j];
+    } else {
+        float acc = 0.0f;
+        if (g < groups)
+            for (int pp = p0 + g; pp < p1; pp += groups) {
+                const size_t slot = (size_t)table[pp / block_size] * block_size + (size_t)(pp % block_size);
+                acc += e[pp - p0] * to_f32(v_cache[slot * row + (size_t)h * head_dim + c]);
+            }
+        acc_part[g * head_dim + c] = acc;
+    }
     __syncthreads();
     if (n_ctx <= DEC_PART) { /* the only part: the output itself */
         if (threadIdx.x < head_dim) {
@@ -195,7 +228,7 @@ bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q
     const int n_parts = (max_ctx + DEC_PART - 1) / DEC_PART;
     const int items = m->n_tokens * heads;
     float *part_o = work, *part_ml = work + (size_t)items * n_parts * head_dim;
-    const size_t smem = sizeof(float) * ((size_t)head_dim + DEC_THREADS + DEC_PART);
+    const size_t smem = sizeof(float) * ((size_t)head_dim + DEC_ACC + DEC_PART);
     const dim3 grid((unsigned)items, (unsigned)n_parts);
     CUDA_DISPATCH(dt, E,
                   decode_part_kernel<E><<<grid, DEC_THREADS, smem, s>>>(
