@@ -67,6 +67,22 @@ export PD_SPARE_PORTS="${ports[*]:$next_port}" PD_TMP=$tmp
 fail=0
 node "$dir/run.js" "$@" || fail=1
 
+# scripts/bench-serve through the 1P1D proxy: every request completes, with
+# exactly the asked-for tokens, and the report has vllm bench serve's figures.
+node "$src/scripts/bench-serve" --base-url "$URL_one" --num-prompts 8 --random-input-len 24 \
+  --random-output-len 6 --max-concurrency 4 --ignore-eos --seed 5 --result-json "$tmp/bench.json" \
+  >"$tmp/bench.out" 2>&1 || { echo "FAIL: bench-serve through the proxy: $(tail -5 "$tmp/bench.out")"; fail=1; }
+if node -e '
+  const r = JSON.parse(require("fs").readFileSync(process.argv[1], "utf8"));
+  const ok = r.completed === 8 && r.failed === 0 && r.total_output_tokens === 48 &&
+    r.total_input_tokens === 192 && r.mean_ttft_ms > 0 && r.p99_tpot_ms > 0 && r.output_throughput > 0;
+  process.exit(ok ? 0 : 1);' "$tmp/bench.json" 2>/dev/null && grep -q "Successful requests: *8" "$tmp/bench.out"; then
+  echo "ok: bench-serve through the proxy (8 of 8, 48 output tokens)"
+else
+  echo "FAIL: bench-serve through the proxy: $(cat "$tmp/bench.json" 2>/dev/null | head -c 600)"
+  fail=1
+fi
+
 # Clean shutdown of a proxy: SIGTERM -> exit status 0 with a "stopped" line.
 kill -TERM "${pids[1]}"
 if wait "${pids[1]}"; then echo "ok: pdproxy SIGTERM exit 0"; else echo "FAIL: pdproxy exit status $? after SIGTERM"; fail=1; fi
