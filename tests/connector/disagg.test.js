@@ -118,6 +118,8 @@ test('malformed kv_transfer_params get 400 on both sides', async () => {
       assert.ok(r.json && r.json.error && r.json.error.message, r.text);
     }
   }
+  // And after them, a disaggregated request goes through as before.
+  assert.equal(await disagg(E.URL_p_PUT, E.URL_d_PUT, E.KV_d_PUT, PROMPTS[5], false), REF[5]);
 });
 
 async function stillServes(base) {

@@ -60,6 +60,20 @@ node --test --test-reporter=spec "$dir/disagg.test.js" || fail=1
 if [ $fail -ne 0 ]; then
   for f in "$tmp"/*.log; do echo "--- $(basename "$f") (tail)"; tail -8 "$f"; done
 fi
+# The decode logs say the same as its metrics: a request whose KV came from
+# a prefill computed exactly one prompt token ("N from a remote prefill, 1
+# computed"), for the ~100 prompts of each send type.
+for st in PUT PUT_ASYNC GET; do
+  log="$tmp/d_$st.log"
+  remote=$(grep -c ' [1-9][0-9]* from a remote prefill, 1 computed)' "$log")
+  wrong=$(grep ' [1-9][0-9]* from a remote prefill, ' "$log" | grep -vc ', 1 computed)')
+  if [ "$remote" -ge 90 ] && [ "$wrong" -eq 0 ]; then
+    echo "ok: d_$st log: $remote requests computed only their last prompt token"
+  else
+    echo "FAIL: d_$st log: $remote requests with remote KV and 1 computed token, $wrong with more"
+    fail=1
+  fi
+done
 # Every instance still alive and healthy after the faults (but the one we killed).
 for v in $(compgen -v URL_); do
   url=${!v}
