@@ -502,6 +502,12 @@ static int tables_shared(const opt_seq_step *seqs, int n_seqs) {
     return 0;
 }
 
+/* int32 entries of fill_meta's layout for T tokens, S sequences, block-table
+ * rows of max_blocks and n_logits logit rows. */
+static size_t meta_entries(int T, int S, int max_blocks, int n_logits) {
+    return (size_t)4 * T + (size_t)S * max_blocks + 2 * (size_t)S + 1 + (size_t)n_logits;
+}
+
 /* The one writer of step metadata, into host buffer h (its device copy at
  * d): the n_seqs sequences, then padding up to n_pad sequences (n_pad >
  * n_seqs only for a graph recording's fixed batch: a padding sequence
@@ -513,7 +519,8 @@ static int tables_shared(const opt_seq_step *seqs, int n_seqs) {
  * seq_q_start [S + 1], logit_rows [n_logits] (S = n_pad). */
 static size_t fill_meta(int32_t *h, const int32_t *d, const opt_kv_storage *kv,
                         const opt_seq_step *seqs, int n_seqs, int n_pad, int T, int n_logits,
-                        int max_blocks, pd_step_meta *meta, const int32_t **logit_rows) {
+                        int max_blocks, int shared_tables, pd_step_meta *meta,
+                        const int32_t **logit_rows) {
     const int S = n_pad, bs = kv->block_size;
     int32_t *ids = h, *pos = h + T, *seq = h + 2 * T, *slot = h + 3 * T;
     int32_t *tables = h + 4 * T, *lens = tables + (size_t)S * max_blocks;
@@ -557,9 +564,9 @@ static size_t fill_meta(int32_t *h, const int32_t *d, const opt_kv_storage *kv,
     meta->seq_lens = meta->block_tables + (size_t)S * max_blocks;
     meta->seq_q_start = meta->seq_lens + S;
     meta->max_q_len = max_q;
-    meta->shared_tables = tables_shared(seqs, n_seqs);
+    meta->shared_tables = shared_tables;
     *logit_rows = meta->seq_q_start + S + 1;
-    return (size_t)(4 * T) + (size_t)S * max_blocks + 2 * (size_t)S + 1 + (size_t)n_logits;
+    return meta_entries(T, S, max_blocks, n_logits);
 }
 
 #define OPT_LN_EPS 1e-5f
@@ -814,9 +821,6 @@ static bool graph_step_fits(const opt_model *m, const opt_seq_step *seqs, int n_
     return !tables_shared(seqs, n_seqs);
 }
 
-static size_t graph_meta_entries(int B, int MB) {
-    return (size_t)B * (4 + (size_t)MB + 3) + 1;
-}
 
 /* Run a decode step through its recording (recording it first if needed). */
 static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
@@ -828,7 +832,8 @@ static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *s
     if (g->kv != kv) { /* first use, or another storage: record afresh */
         graphs_drop(m);
         const int MB = (m->cfg.max_position_embeddings + kv->block_size - 1) / kv->block_size;
-        const size_t need = graph_meta_entries(graph_size_at(graph_index_for(g->max_batch)), MB);
+        const int B_max = graph_size_at(graph_index_for(g->max_batch));
+        const size_t need = meta_entries(B_max, B_max, MB, B_max); /* B tokens, seqs, logit rows */
         if (need > g->meta_cap) {
             be->free(be, g->meta_dev);
             free(g->meta_host);
@@ -845,8 +850,9 @@ static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *s
     }
     pd_step_meta meta;
     const int32_t *logit_rows = NULL;
+    /* shared_tables 0: graph_step_fits let no shared table through */
     const size_t n = fill_meta(g->meta_host, (const int32_t *)g->meta_dev, kv, seqs, n_seqs, B, B, B,
-                               g->max_blocks, &meta, &logit_rows);
+                               g->max_blocks, 0, &meta, &logit_rows);
     if (copy_meta(be, g->meta_dev, g->meta_host, n * sizeof(int32_t), err) != 0)
         return pd_wrap(err, "opt graphs: step metadata");
     if (!g->exec[idx]) {
@@ -874,12 +880,13 @@ int opt_forward_ex(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, i
         graphs_free(m);
         m->g.enabled = false;
     }
-    const int n_meta = 4 * T + n_seqs * max_blocks + 2 * n_seqs + 1 + n_logits;
-    if (scratch_reserve(m, T, n_logits, n_meta, err) != 0) return -1;
+    const size_t n_meta = meta_entries(T, n_seqs, max_blocks, n_logits);
+    if (scratch_reserve(m, T, n_logits, (int)n_meta, err) != 0) return -1;
     pd_step_meta meta;
     const int32_t *logit_rows = NULL;
     const size_t n = fill_meta(m->s.meta_host, (const int32_t *)m->s.meta_dev, kv, seqs, n_seqs, n_seqs, T,
-                               n_logits, max_blocks, &meta, &logit_rows);
+                               n_logits, max_blocks, tables_shared(seqs, n_seqs), &meta,
+                               &logit_rows);
     if (copy_meta(m->be, m->s.meta_dev, m->s.meta_host, n * sizeof(int32_t), err) != 0)
         return pd_wrap(err, "opt forward: step metadata");
     forward_ops(m, kv, &meta, n_logits, logit_rows);
