@@ -822,32 +822,75 @@ static bool graph_step_fits(const opt_model *m, const opt_seq_step *seqs, int n_
 }
 
 
+/* Ties the recordings to KV storage kv: recordings hold its addresses, so
+ * another storage drops them and sizes the metadata buffer afresh. */
+static int graphs_attach(opt_model *m, opt_kv_storage *kv, pd_err *err) {
+    pd_backend *be = m->be;
+    opt_graphs *g = &m->g;
+    if (g->kv == kv) return 0;
+    graphs_drop(m);
+    const int MB = (m->cfg.max_position_embeddings + kv->block_size - 1) / kv->block_size;
+    const int B_max = graph_size_at(graph_index_for(g->max_batch));
+    const size_t need = meta_entries(B_max, B_max, MB, B_max); /* B tokens, seqs, logit rows */
+    if (need > g->meta_cap) {
+        be->free(be, g->meta_dev);
+        free(g->meta_host);
+        g->meta_dev = be->alloc(be, need * sizeof(int32_t), err);
+        g->meta_host = malloc(need * sizeof(int32_t));
+        g->meta_cap = g->meta_dev && g->meta_host ? need : 0;
+        if (!g->meta_cap) {
+            graphs_free(m);
+            return pd_fail(err, "opt graphs: out of memory for step metadata");
+        }
+    }
+    g->kv = kv;
+    g->max_blocks = MB;
+    return 0;
+}
+
+/* Records the decode step of padded batch graph_size_at(idx), whose
+ * metadata (already laid out in meta_dev's place) is meta. */
+static int graph_record(opt_model *m, opt_kv_storage *kv, int idx, const pd_step_meta *meta,
+                        const int32_t *logit_rows, pd_err *err) {
+    pd_backend *be = m->be;
+    opt_graphs *g = &m->g;
+    const int B = graph_size_at(idx);
+    if (be->graph_begin(be, err) != 0) return -1;
+    forward_ops(m, kv, meta, B, logit_rows);
+    if (be->graph_end(be, &g->exec[idx], err) != 0) return pd_wrap(err, "opt graphs: batch %d", B);
+    g->captures++;
+    pd_log(PD_LOG_DEBUG, "opt: recorded the decode step of batch %d as a graph", B);
+    return 0;
+}
+
+int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, int *recorded, pd_err *err) {
+    opt_graphs *g = &m->g;
+    if (recorded) *recorded = 0;
+    if (!g->enabled) return 0;
+    const int last = graph_index_for(g->max_batch), B_max = graph_size_at(last);
+    if (scratch_reserve(m, B_max, B_max, 1, err) != 0 || graphs_attach(m, kv, err) != 0) return -1;
+    for (int idx = 0; idx <= last; idx++) {
+        if (g->exec[idx]) continue;
+        const int B = graph_size_at(idx);
+        pd_step_meta meta;
+        const int32_t *logit_rows = NULL;
+        /* Padding sequences only: the recording depends on the sizes, and
+         * nothing runs until a real step's metadata is in place. */
+        fill_meta(g->meta_host, (const int32_t *)g->meta_dev, kv, NULL, 0, B, B, B, g->max_blocks,
+                  0, &meta, &logit_rows);
+        if (graph_record(m, kv, idx, &meta, logit_rows, err) != 0) return -1;
+        if (recorded) (*recorded)++;
+    }
+    return 0;
+}
+
 /* Run a decode step through its recording (recording it first if needed). */
 static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
                          float *logits, int32_t *ids, const float *sample_params, pd_err *err) {
     pd_backend *be = m->be;
     opt_graphs *g = &m->g;
     const int idx = graph_index_for(n_seqs), B = graph_size_at(idx);
-    if (scratch_reserve(m, B, B, 1, err) != 0) return -1;
-    if (g->kv != kv) { /* first use, or another storage: record afresh */
-        graphs_drop(m);
-        const int MB = (m->cfg.max_position_embeddings + kv->block_size - 1) / kv->block_size;
-        const int B_max = graph_size_at(graph_index_for(g->max_batch));
-        const size_t need = meta_entries(B_max, B_max, MB, B_max); /* B tokens, seqs, logit rows */
-        if (need > g->meta_cap) {
-            be->free(be, g->meta_dev);
-            free(g->meta_host);
-            g->meta_dev = be->alloc(be, need * sizeof(int32_t), err);
-            g->meta_host = malloc(need * sizeof(int32_t));
-            g->meta_cap = g->meta_dev && g->meta_host ? need : 0;
-            if (!g->meta_cap) {
-                graphs_free(m);
-                return pd_fail(err, "opt graphs: out of memory for step metadata");
-            }
-        }
-        g->kv = kv;
-        g->max_blocks = MB;
-    }
+    if (scratch_reserve(m, B, B, 1, err) != 0 || graphs_attach(m, kv, err) != 0) return -1;
     pd_step_meta meta;
     const int32_t *logit_rows = NULL;
     /* shared_tables 0: graph_step_fits let no shared table through */
@@ -855,13 +898,7 @@ static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *s
                                g->max_blocks, 0, &meta, &logit_rows);
     if (copy_meta(be, g->meta_dev, g->meta_host, n * sizeof(int32_t), err) != 0)
         return pd_wrap(err, "opt graphs: step metadata");
-    if (!g->exec[idx]) {
-        if (be->graph_begin(be, err) != 0) return -1;
-        forward_ops(m, kv, &meta, B, logit_rows);
-        if (be->graph_end(be, &g->exec[idx], err) != 0) return pd_wrap(err, "opt graphs: batch %d", B);
-        g->captures++;
-        pd_log(PD_LOG_DEBUG, "opt: recorded the decode step of batch %d as a graph", B);
-    }
+    if (!g->exec[idx] && graph_record(m, kv, idx, &meta, logit_rows, err) != 0) return -1;
     if (be->graph_launch(be, g->exec[idx], err) != 0) return -1;
     g->replays++;
     return read_outputs(m, n_seqs, logits, ids, sample_params, err);

@@ -73,6 +73,11 @@ bool opt_model_samples_on_device(const opt_model *m);
  * (1, 2, 4, 8, 16, ... 512) on backends that support them; a no-op
  * elsewhere. Off by default (--enforce-eager keeps it off). */
 int opt_model_set_graphs(opt_model *m, bool enable, int max_batch, pd_err *err);
+/* Records the decode graph of every padded batch size up to max_batch for
+ * storage kv now (a few ms each), as vLLM does at start-up, so no decode
+ * step pays for a recording later; *recorded: how many were new. A no-op
+ * when graphs are off. */
+int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, int *recorded, pd_err *err);
 /* Graphs recorded and replayed so far; returns whether graphs are on. */
 int opt_model_graph_stats(const opt_model *m, int *captures, int *replays);
 

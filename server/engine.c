@@ -675,9 +675,19 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
      * (beyond 512 they run eagerly; vLLM's default capture limit is 512 too). */
     const int graph_batch = cfg->max_num_seqs < 512 ? cfg->max_num_seqs : 512;
     if (opt_model_set_graphs(e->model, !cfg->enforce_eager, graph_batch, err) != 0) goto fail;
-    if (opt_model_graph_stats(e->model, NULL, NULL))
-        pd_log(PD_LOG_INFO, "engine: decode steps of up to %d sequences run as CUDA graphs (--enforce-eager turns "
-               "this off)", graph_batch);
+    if (opt_model_graph_stats(e->model, NULL, NULL)) {
+        /* Every padded batch size now, not at its first step: recording
+         * costs milliseconds (and cuBLASLt's algorithm choice for each new
+         * shape), which would otherwise land on live requests. */
+        const double t_rec = pd_now();
+        int recorded = 0;
+        if (opt_model_record_graphs(e->model, e->kv, &recorded, err) != 0) {
+            pd_wrap(err, "recording decode graphs (--enforce-eager runs without them)");
+            goto fail;
+        }
+        pd_log(PD_LOG_INFO, "engine: decode steps of up to %d sequences run as CUDA graphs: %d recorded in %.2f s "
+               "(--enforce-eager turns this off)", graph_batch, recorded, pd_now() - t_rec);
+    }
     scheduler_config sc = {cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->enable_prefix_caching,
                            e->max_model_len};
     if (scheduler_create(&sc, e->pool, e->conn, &e->work, &e->sched, err) != 0) goto fail;

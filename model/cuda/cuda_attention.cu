@@ -214,13 +214,18 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
     /* The longest context a step can have is max_blocks * block_size (the
      * block-table row length), known on the host without reading positions. */
     const int max_ctx = meta->max_blocks * block_size;
-    /* Few queries (decode): spread each one's positions over a whole block.
-     * Many queries (prefill): one warp each already fills the GPU. */
-    const bool few_queries = (long)meta->n_tokens * heads < 2048;
-    /* A pure decode step (one new token per sequence) writes its k and v in
-     * the attention kernel itself: no token reads another's new row
-     * (unless sequences share a table: then the write must come first). */
-    const bool fuse_write = write && meta->max_q_len == 1 && !meta->shared_tables && few_queries;
+    /* A pure decode step (one query per sequence), or few queries of any
+     * kind: spread each query's positions over a whole block (the split
+     * kernel). At batch 256 the one-warp-per-query kernel below read the KV
+     * cache at a fifth of the device's bandwidth, so a decode step takes
+     * the split kernel at every batch size. Many queries of a prefill: the
+     * flash kernel, or one warp each, which then fills the GPU. */
+    const bool decode_step = meta->max_q_len == 1;
+    const bool few_queries = decode_step || (long)meta->n_tokens * heads < 2048;
+    /* A pure decode step writes its k and v in the attention kernel itself:
+     * no token reads another's new row (unless sequences share a table:
+     * then the write must come first). */
+    const bool fuse_write = write && decode_step && !meta->shared_tables;
     if (fuse_write && cuda_decode_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta, heads,
                                             head_dim, block_size, scale, work, work_floats, write,
                                             counters))

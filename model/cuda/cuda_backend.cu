@@ -734,9 +734,10 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
         return pd_fail(err, "cuda backend: cuBLAS workspace on device %d: %s", device,
                        cudaGetErrorString(e));
     }
-    /* 32 MiB holds the parts of 2,048 (token, head) items of 64 dims over
-     * 8k positions; steps beyond that use the unsplit kernels. */
-    c->attn_work_floats = ((size_t)32 << 20) / sizeof(float);
+    /* 64 MiB holds the parts of 256 sequences x 32 heads of 64 dims over
+     * 2k positions (or 12 heads over 8k); a step beyond that uses the
+     * unsplit kernels. */
+    c->attn_work_floats = ((size_t)64 << 20) / sizeof(float);
     if ((e = cudaMalloc((void **)&c->attn_work, c->attn_work_floats * sizeof(float))) != cudaSuccess ||
         (e = cudaMalloc((void **)&c->attn_counters, CUDA_DECODE_MAX_ITEMS * sizeof(int))) != cudaSuccess ||
         (e = cudaMemset(c->attn_counters, 0, CUDA_DECODE_MAX_ITEMS * sizeof(int))) != cudaSuccess) {

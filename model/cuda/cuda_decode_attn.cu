@@ -4,15 +4,17 @@
  * A decode step has one query per sequence: batch 1 on a 12-head model is
  * only 12 (token, head) items, far too few blocks to keep an H200's 132 SMs
  * busy while each walks thousands of cached positions. So every item's
- * context is cut into parts of DEC_PART positions, one thread block per
- * (item, part):
+ * context is cut into parts of DEC_PART positions, and a thread block does
+ * one part (few items) or several of one item in turn (many items: a batch
+ * of 256 has blocks enough, and a grid of a block per possible part would
+ * be mostly blocks with nothing to do). Per part:
  *   1. each thread scores one position (q . k, q pre-scaled, fp32);
  *   2. the part's max m and sum l of exp(s - m) (block reductions);
  *   3. the part's unnormalised output o = sum_p exp(s_p - m) v_p, with the
  *      threads in groups of head_dim lanes reading V rows coalesced;
- * and the last part of an item to finish (a counter per item, counted up
- * with atomicAdd after a __threadfence, and reset by that last block for the
- * next step) merges the item's parts in order:
+ * and the last block of an item to finish (a counter of finished parts per
+ * item, counted up with atomicAdd after a __threadfence, and reset by that
+ * last block for the next step) merges the item's parts in order:
  *   M = max m_i, out = sum exp(m_i - M) o_i / sum exp(m_i - M) l_i.
  * In a pure decode step the kernel also writes the token's own k and v into
  * the cache first (the block whose part holds the token's position does it,
@@ -29,6 +31,9 @@
 
 #define DEC_PART 256    /* positions per part (= threads per block) */
 #define DEC_THREADS 256
+/* Blocks a call aims for: 132 SMs x 8 resident blocks of 256 threads, twice
+ * over (see the grid in cuda_decode_attention). */
+#define DEC_TARGET_BLOCKS 2048
 /* Shared floats for the groups' partial outputs: groups * head_dim, at most
  * DEC_THREADS * 8 (8 = 16-byte loads of 16-bit values). */
 #define DEC_ACC (DEC_THREADS * 8)
@@ -83,39 +88,23 @@ __device__ __forceinline__ float dec_dot<__nv_bfloat16>(const float *qs, const _
     return s;
 }
 
-template <typename T>
-__global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters, T *out, const T *q,
-                                   int q_stride, T *k_cache, T *v_cache, const T *k_new,
-                                   const T *v_new, int new_stride, const int32_t *slot_mapping,
-                                   const int32_t *positions, const int32_t *token_seq,
-                                   const int32_t *block_tables, int max_blocks, int heads,
-                                   int head_dim, int block_size, float scale, int n_parts) {
-    pdl_trigger(); /* the next (PDL-launched) kernel may start loading its weights */
-    extern __shared__ float smem[]; /* [head_dim] q, [DEC_ACC] group sums, [DEC_PART] e */
-    __shared__ float red[DEC_THREADS / 32];
-    __shared__ int last_part;
-    const int item = blockIdx.x, part_i = blockIdx.y;
-    const int t = item / heads, h = item % heads;
-    const int n_ctx = positions[t] + 1;
-    const int p0 = part_i * DEC_PART;
-    if (p0 >= n_ctx) return; /* the whole block: this context is shorter */
-    const int p1 = min(n_ctx, p0 + DEC_PART);
-    const int32_t *table = block_tables + (size_t)token_seq[t] * max_blocks;
-    const size_t row = (size_t)heads * head_dim;
-    if (k_new && p1 == n_ctx) { /* this part holds the token itself: its k, v first */
-        const int32_t slot = slot_mapping[t];
-        if (slot >= 0)
-            for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) {
-                const size_t at = (size_t)slot * row + (size_t)h * head_dim + d;
-                k_cache[at] = k_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
-                v_cache[at] = v_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
-            }
-    }
-    float *qs = smem, *acc_part = smem + head_dim, *e = acc_part + DEC_ACC;
-    const T *qt = q + (size_t)t * q_stride + (size_t)h * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) qs[d] = to_f32(qt[d]) * scale;
-    __syncthreads(); /* also orders the k, v written above before their reads */
+/* Whether V rows are read in 16-byte pieces (head_dim / VEC lanes a row)
+ * rather than one element per lane (head_dim lanes). */
+template <typename T> __device__ __forceinline__ bool dec_vec(int head_dim, const T *v_cache) {
+    constexpr int VEC = 16 / sizeof(T);
+    return head_dim % VEC == 0 && DEC_THREADS % (head_dim / VEC) == 0 &&
+           (uintptr_t)v_cache % 16 == 0;
+}
 
+/* One part's scores, softmax sums and unnormalised output, written to
+ * acc_part (per group) and returned as (max, sum) through *mx_out, *sum_out.
+ * Ends with a barrier, so acc_part is complete for every thread. */
+template <typename T>
+__device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part, float *e,
+                                                float *red, const T *v_cache, const T *k_cache,
+                                                const int32_t *table, size_t row, int h,
+                                                int head_dim, int block_size, int p0, int p1,
+                                                float *mx_out, float *sum_out) {
     const int p = p0 + (int)threadIdx.x;
     float sc = -INFINITY;
     if (p < p1) {
@@ -133,10 +122,9 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
      * ~200-position part is a handful of loads per thread, several in
      * flight; otherwise groups of head_dim lanes read 1 element each.
      * acc_part[g * head_dim + d]: group g's sum for dim d, added in group
-     * order below. */
+     * order by the caller. */
     constexpr int VEC = 16 / sizeof(T);
-    const bool vec = head_dim % VEC == 0 && DEC_THREADS % (head_dim / VEC) == 0 &&
-                     (uintptr_t)v_cache % 16 == 0;
+    const bool vec = dec_vec<T>(head_dim, v_cache);
     const int lanes = vec ? head_dim / VEC : head_dim;
     const int groups = DEC_THREADS / lanes;
     const int g = threadIdx.x / lanes, c = threadIdx.x % lanes;
@@ -165,30 +153,80 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
         acc_part[g * head_dim + c] = acc;
     }
     __syncthreads();
-    if (n_ctx <= DEC_PART) { /* the only part: the output itself */
+    *mx_out = mx;
+    *sum_out = sum;
+}
+
+/* Grid (items, slots): block (item, y) does the item's parts y, y + slots,
+ * y + 2 slots, ... Many items (a large batch) take one slot, so no block
+ * is launched for a part that a short context does not have; few items
+ * take a slot per part, spreading one long context over the SMs. Either
+ * way the parts, and the merge below, are the same, and so is the result. */
+template <typename T>
+__global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters, T *out, const T *q,
+                                   int q_stride, T *k_cache, T *v_cache, const T *k_new,
+                                   const T *v_new, int new_stride, const int32_t *slot_mapping,
+                                   const int32_t *positions, const int32_t *token_seq,
+                                   const int32_t *block_tables, int max_blocks, int heads,
+                                   int head_dim, int block_size, float scale, int n_parts) {
+    pdl_trigger(); /* the next (PDL-launched) kernel may start loading its weights */
+    extern __shared__ float smem[]; /* [head_dim] q, [DEC_ACC] group sums, [DEC_PART] e */
+    __shared__ float red[DEC_THREADS / 32];
+    __shared__ int last_part;
+    const int item = blockIdx.x, slots = (int)gridDim.y;
+    const int t = item / heads, h = item % heads;
+    const int n_ctx = positions[t] + 1;
+    if ((int)blockIdx.y * DEC_PART >= n_ctx) return; /* the whole block: this context is shorter */
+    const int32_t *table = block_tables + (size_t)token_seq[t] * max_blocks;
+    const size_t row = (size_t)heads * head_dim;
+    float *qs = smem, *acc_part = smem + head_dim, *e = acc_part + DEC_ACC;
+    const T *qt = q + (size_t)t * q_stride + (size_t)h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) qs[d] = to_f32(qt[d]) * scale;
+    const int groups =
+        DEC_THREADS / (dec_vec<T>(head_dim, v_cache) ? head_dim / (16 / (int)sizeof(T)) : head_dim);
+    int done = 0;
+    for (int part_i = blockIdx.y; part_i * DEC_PART < n_ctx; part_i += slots) {
+        const int p0 = part_i * DEC_PART, p1 = min(n_ctx, p0 + DEC_PART);
+        if (k_new && p1 == n_ctx) { /* this part holds the token itself: its k, v first */
+            const int32_t slot = slot_mapping[t];
+            if (slot >= 0)
+                for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) {
+                    const size_t at = (size_t)slot * row + (size_t)h * head_dim + d;
+                    k_cache[at] = k_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
+                    v_cache[at] = v_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
+                }
+        }
+        __syncthreads(); /* q in place; the k, v written above before their reads */
+        float mx, sum;
+        decode_one_part<T>(qs, acc_part, e, red, v_cache, k_cache, table, row, h, head_dim,
+                           block_size, p0, p1, &mx, &sum);
+        if (n_ctx <= DEC_PART) { /* the only part: the output itself */
+            if (threadIdx.x < head_dim) {
+                float o = 0.0f;
+                for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + threadIdx.x];
+                out[(size_t)t * row + (size_t)h * head_dim + threadIdx.x] = from_f32<T>(o / sum);
+            }
+            return;
+        }
+        const size_t at = (size_t)item * n_parts + part_i;
         if (threadIdx.x < head_dim) {
             float o = 0.0f;
             for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + threadIdx.x];
-            out[(size_t)t * row + (size_t)h * head_dim + threadIdx.x] = from_f32<T>(o / sum);
+            part_o[at * head_dim + threadIdx.x] = o;
+            if (threadIdx.x == 0) {
+                part_ml[2 * at] = mx;
+                part_ml[2 * at + 1] = sum;
+            }
         }
-        return;
+        done++;
+        __syncthreads(); /* acc_part and e are reused by the next part */
     }
-    const size_t at = (size_t)item * n_parts + part_i;
-    if (threadIdx.x < head_dim) {
-        float o = 0.0f;
-        for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + threadIdx.x];
-        part_o[at * head_dim + threadIdx.x] = o;
-        if (threadIdx.x == 0) {
-            part_ml[2 * at] = mx;
-            part_ml[2 * at + 1] = sum;
-        }
-    }
-    /* Publish this part, then count it; the item's last part merges. */
+    /* Publish this block's parts, then count them; the item's last block merges. */
     __threadfence();
     __syncthreads();
     const int used = (n_ctx + DEC_PART - 1) / DEC_PART;
     if (threadIdx.x == 0) {
-        last_part = atomicAdd(&counters[item], 1) == used - 1;
+        last_part = atomicAdd(&counters[item], done) + done == used;
         if (last_part) counters[item] = 0; /* ready for the next step */
     }
     __syncthreads();
@@ -229,7 +267,13 @@ bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q
     const int items = m->n_tokens * heads;
     float *part_o = work, *part_ml = work + (size_t)items * n_parts * head_dim;
     const size_t smem = sizeof(float) * ((size_t)head_dim + DEC_ACC + DEC_PART);
-    const dim3 grid((unsigned)items, (unsigned)n_parts);
+    /* Slots per item: a part each while the items alone are too few blocks
+     * to fill the device, else fewer (each block then walks several parts;
+     * see decode_part_kernel). Depends only on host-known sizes, so a
+     * recorded graph keeps it. */
+    const int want = (DEC_TARGET_BLOCKS + items - 1) / items;
+    const int slots = want < 1 ? 1 : want > n_parts ? n_parts : want;
+    const dim3 grid((unsigned)items, (unsigned)slots);
     CUDA_DISPATCH(dt, E,
                   decode_part_kernel<E><<<grid, DEC_THREADS, smem, s>>>(
                       part_o, part_ml, counters, (E *)out, (const E *)q, q_stride, (E *)k_cache,

@@ -178,8 +178,9 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
 /* ---- launchers (cuda_decode_attn.cu) ---- */
 
 
-/* Most (token, head) items of one decode-attention call (its counters). */
-#define CUDA_DECODE_MAX_ITEMS 2048
+/* Most (token, head) items of one decode-attention call (its counters):
+ * 256 sequences of a 64-head model. */
+#define CUDA_DECODE_MAX_ITEMS 16384
 /* Floats of work space cuda_decode_attention needs for a step. */
 size_t cuda_decode_attention_work(int n_tokens, int heads, int head_dim, int max_ctx);
 /* Context-split attention for few-query steps; false (nothing queued) when

@@ -152,6 +152,41 @@ static void run_scenarios(rig *r) {
     step_both(r, "one sequence per position, shared table", per_pos, 20);
 }
 
+/* One decode step of B sequences on both sides, the GPU's logits and picks
+ * checked against the CPU's; both sides go on with the CPU's picks. */
+static void graph_step_check(rig *r, const char *what, int B, int32_t *tok, int *pos, float *lg) {
+    pd_err err;
+    opt_seq_step steps[MAX_SEQS];
+    for (int q = 0; q < B; q++)
+        steps[q] = seq_step(r, q, &tok[q], 1, pos[q]);
+    /* The CPU reference first (it does not touch tok), then the GPU with
+     * both outputs, whose logits step_both cannot see. */
+    float *lc = calloc((size_t)B * r->V, sizeof(float));
+    int32_t ids[MAX_SEQS];
+    CHECKF(opt_forward(r->cpu.m, r->cpu.kv, steps, B, lc, &err) == 0, "cpu %s: %s", what, err.msg);
+    CHECKF(opt_forward_ex(r->gpu.m, r->gpu.kv, steps, B, lg, ids, NULL, &err) == 0, "%s %s: %s",
+           r->variant, what, err.msg);
+    for (int q = 0; q < B; q++) {
+        const float *c = lc + (size_t)q * r->V, *g = lg + (size_t)q * r->V;
+        double max_diff = 0, max_ref = 1.0;
+        int best_g = 0, best_c = 0;
+        for (int i = 0; i < r->V; i++) {
+            const double d = fabs((double)c[i] - g[i]);
+            if (!(d <= max_diff)) max_diff = d; /* NaN sticks */
+            if (fabs(c[i]) > max_ref) max_ref = fabs(c[i]);
+            if (g[i] > g[best_g]) best_g = i;
+            if (c[i] > c[best_c]) best_c = i;
+        }
+        CHECKF(max_diff <= r->tol * max_ref, "%s bs=%d %s row %d: max diff %.3g of %.3g", r->variant,
+               r->bs, what, q, max_diff, max_ref);
+        CHECKF(ids[q] == best_g, "%s %s row %d: device pick %d, argmax of its logits %d", r->variant,
+               what, q, ids[q], best_g);
+        tok[q] = best_c;
+        pos[q]++;
+    }
+    free(lc);
+}
+
 /* Decode steps through the GPU's recorded graphs. */
 static void run_graphs(rig *r) {
     pd_err err;
@@ -167,42 +202,12 @@ static void run_graphs(rig *r) {
         pos[q] = 5 + q % 8;
     }
     float *lg = calloc((size_t)MAX_SEQS * r->V, sizeof(float));
-    for (int round = 0; round < 3; round++) {
+    for (int round = 0; round < 3; round++)
         for (int B = 1; B <= MAX_SEQS; B++) {
-            opt_seq_step steps[MAX_SEQS];
-            for (int q = 0; q < B; q++)
-                steps[q] = seq_step(r, q, &tok[q], 1, pos[q]);
             char what[48];
             snprintf(what, sizeof what, "graph decode round %d batch %d", round, B);
-            /* The CPU reference first (it does not touch tok), then the GPU
-             * with both outputs, whose logits step_both cannot see. */
-            float *lc = calloc((size_t)B * r->V, sizeof(float));
-            int32_t ids[MAX_SEQS];
-            CHECKF(opt_forward(r->cpu.m, r->cpu.kv, steps, B, lc, &err) == 0, "cpu %s: %s", what,
-                   err.msg);
-            CHECKF(opt_forward_ex(r->gpu.m, r->gpu.kv, steps, B, lg, ids, NULL, &err) == 0, "%s %s: %s",
-                   r->variant, what, err.msg);
-            for (int q = 0; q < B; q++) {
-                const float *c = lc + (size_t)q * r->V, *g = lg + (size_t)q * r->V;
-                double max_diff = 0, max_ref = 1.0;
-                int best_g = 0, best_c = 0;
-                for (int i = 0; i < r->V; i++) {
-                    const double d = fabs((double)c[i] - g[i]);
-                    if (!(d <= max_diff)) max_diff = d; /* NaN sticks */
-                    if (fabs(c[i]) > max_ref) max_ref = fabs(c[i]);
-                    if (g[i] > g[best_g]) best_g = i;
-                    if (c[i] > c[best_c]) best_c = i;
-                }
-                CHECKF(max_diff <= r->tol * max_ref, "%s bs=%d %s row %d: max diff %.3g of %.3g",
-                       r->variant, r->bs, what, q, max_diff, max_ref);
-                CHECKF(ids[q] == best_g, "%s %s row %d: device pick %d, argmax of its logits %d",
-                       r->variant, what, q, ids[q], best_g);
-                tok[q] = best_c; /* both sides go on with the CPU's pick */
-                pos[q]++;
-            }
-            free(lc);
+            graph_step_check(r, what, B, tok, pos, lg);
         }
-    }
     int captures = 0, replays = 0;
     opt_model_graph_stats(r->gpu.m, &captures, &replays);
     /* Batches 1..20 pad to the recorded sizes 1, 2, 4, 8, 16 and 24. */
@@ -218,6 +223,25 @@ static void run_graphs(rig *r) {
     opt_model_graph_stats(r->gpu.m, &captures, &replays);
     CHECKF(captures == 6, "%s: %d recordings after an eager prefill (6 expected)", r->variant,
            captures);
+    /* Recorded ahead of use (what the engine does at start-up): dropped,
+     * then all six sizes at once, which the next steps replay unchanged. */
+    CHECKF(opt_model_set_graphs(r->gpu.m, false, MAX_SEQS, &err) == 0, "%s", err.msg);
+    CHECKF(opt_model_set_graphs(r->gpu.m, true, MAX_SEQS, &err) == 0, "%s", err.msg);
+    int recorded = -1;
+    CHECKF(opt_model_record_graphs(r->gpu.m, r->gpu.kv, &recorded, &err) == 0, "%s", err.msg);
+    CHECKF(recorded == 6, "%s: %d graphs recorded ahead (6 expected)", r->variant, recorded);
+    CHECKF(opt_model_record_graphs(r->gpu.m, r->gpu.kv, &recorded, &err) == 0 && recorded == 0,
+           "%s: a second record_graphs recorded %d", r->variant, recorded);
+    int before = 0;
+    opt_model_graph_stats(r->gpu.m, &before, NULL);
+    for (int B = 1; B <= MAX_SEQS; B += 7) {
+        char what[48];
+        snprintf(what, sizeof what, "pre-recorded graph decode batch %d", B);
+        graph_step_check(r, what, B, tok, pos, lg);
+    }
+    opt_model_graph_stats(r->gpu.m, &captures, NULL);
+    CHECKF(captures == before, "%s: %d recordings during pre-recorded steps", r->variant,
+           captures - before);
     free(lg);
 }
 

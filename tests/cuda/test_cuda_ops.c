@@ -438,6 +438,14 @@ static void test_attention(const pair *p) {
         attention_case_w(p, "mixed", attn_mixed, NSEQ(attn_mixed), block_sizes[b], 2, 64, 0, 1);
     }
     attention_case(p, "prompt", attn_long, NSEQ(attn_long), 16, 12, 64, 20);
+    /* A decode step at batch 256 (3,072 items of opt-125m's 12 heads, more
+     * than one split-kernel launch used to take): contexts 64..963, some
+     * over several 256-position parts; with the fused write, then timed. */
+    attn_seq big[256];
+    for (int s = 0; s < 256; s++)
+        big[s] = (attn_seq){64 + (s * 53) % 900, 1};
+    attention_case_w(p, "decode batch 256", big, 256, 16, 12, 64, 0, 1);
+    attention_case(p, "decode batch 256", big, 256, 16, 12, 64, 20);
 }
 
 /* ---- linear: the fused op against the CPU ops one at a time ---- */
