@@ -95,6 +95,10 @@ template <typename T> __device__ __forceinline__ bool dec_vec(int head_dim, cons
     return head_dim % VEC == 0 && DEC_THREADS % (head_dim / VEC) == 0 &&
            (uintptr_t)v_cache % 16 == 0;
 }
+/* Lanes that read one V row; the block's threads form DEC_THREADS / lanes groups. */
+template <typename T> __device__ __forceinline__ int dec_lanes(int head_dim, const T *v_cache) {
+    return dec_vec<T>(head_dim, v_cache) ? head_dim / (16 / (int)sizeof(T)) : head_dim;
+}
 
 /* One part's scores, softmax sums and unnormalised output, written to
  * acc_part (per group) and returned as (max, sum) through *mx_out, *sum_out.
@@ -125,7 +129,7 @@ __device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part
      * order by the caller. */
     constexpr int VEC = 16 / sizeof(T);
     const bool vec = dec_vec<T>(head_dim, v_cache);
-    const int lanes = vec ? head_dim / VEC : head_dim;
+    const int lanes = dec_lanes<T>(head_dim, v_cache);
     const int groups = DEC_THREADS / lanes;
     const int g = threadIdx.x / lanes, c = threadIdx.x % lanes;
     if (vec) {
@@ -182,8 +186,7 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
     float *qs = smem, *acc_part = smem + head_dim, *e = acc_part + DEC_ACC;
     const T *qt = q + (size_t)t * q_stride + (size_t)h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) qs[d] = to_f32(qt[d]) * scale;
-    const int groups =
-        DEC_THREADS / (dec_vec<T>(head_dim, v_cache) ? head_dim / (16 / (int)sizeof(T)) : head_dim);
+    const int groups = DEC_THREADS / dec_lanes<T>(head_dim, v_cache);
     int done = 0;
     for (int part_i = blockIdx.y; part_i * DEC_PART < n_ctx; part_i += slots) {
         const int p0 = part_i * DEC_PART, p1 = min(n_ctx, p0 + DEC_PART);
@@ -200,18 +203,17 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
         float mx, sum;
         decode_one_part<T>(qs, acc_part, e, red, v_cache, k_cache, table, row, h, head_dim,
                            block_size, p0, p1, &mx, &sum);
+        /* The groups' sums in group order (head_dim <= DEC_THREADS). */
+        float o = 0.0f;
+        if (threadIdx.x < head_dim)
+            for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + threadIdx.x];
         if (n_ctx <= DEC_PART) { /* the only part: the output itself */
-            if (threadIdx.x < head_dim) {
-                float o = 0.0f;
-                for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + threadIdx.x];
+            if (threadIdx.x < head_dim)
                 out[(size_t)t * row + (size_t)h * head_dim + threadIdx.x] = from_f32<T>(o / sum);
-            }
             return;
         }
         const size_t at = (size_t)item * n_parts + part_i;
         if (threadIdx.x < head_dim) {
-            float o = 0.0f;
-            for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + threadIdx.x];
             part_o[at * head_dim + threadIdx.x] = o;
             if (threadIdx.x == 0) {
                 part_ml[2 * at] = mx;
