@@ -204,7 +204,8 @@ static void attention_block_launch(cudaStream_t s, void *out, const void *q, int
 void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                           const void *k_cache, const void *v_cache, const pd_step_meta *meta,
                           int heads, int head_dim, int block_size, float scale, float *work,
-                          size_t work_floats, const cuda_kv_pending *write, int *counters) {
+                          size_t work_floats, const cuda_kv_pending *write, int *counters,
+                          int pdl) {
     if (meta->n_tokens <= 0 || heads <= 0 || head_dim <= 0) {
         if (write)
             cuda_kv_write(s, dt, write->k_cache, write->v_cache, write->k, write->v, write->stride,
@@ -228,7 +229,7 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
     const bool fuse_write = write && decode_step && !meta->shared_tables;
     if (fuse_write && cuda_decode_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta, heads,
                                             head_dim, block_size, scale, work, work_floats, write,
-                                            counters))
+                                            counters, pdl))
         return;
     if (write)
         cuda_kv_write(s, dt, write->k_cache, write->v_cache, write->k, write->v, write->stride,
@@ -244,7 +245,7 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
     const size_t smem = block_smem(head_dim, max_ctx);
     if (few_queries && cuda_decode_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta,
                                              heads, head_dim, block_size, scale, work,
-                                             work_floats, NULL, counters))
+                                             work_floats, NULL, counters, 0))
         return;
     if (few_queries && head_dim <= ATTN_THREADS && smem <= 48 * 1024) {
         CUDA_DISPATCH(dt, E,

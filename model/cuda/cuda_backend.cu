@@ -511,7 +511,7 @@ static void cu_paged_attention(pd_backend *be, void *out, const void *q, int q_s
     }
     cuda_paged_attention(c->stream, be->dtype, out, q, q_stride, k_cache, v_cache, meta, heads,
                          head_dim, block_size, scale, c->attn_work, c->attn_work_floats, write,
-                         c->attn_counters);
+                         c->attn_counters, c->lin.pdl);
     c->kvp.on = 0; /* fused into the kernel, or launched before it */
     cu_check_launch(c, "paged_attention");
 }
@@ -758,10 +758,11 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
         return pd_fail(err, "cuda backend: cuBLASLt init on device %d: %s", device,
                        cublasGetStatusString(st));
     }
-    if ((e = cuda_linear_init(&c->lin, device)) != cudaSuccess) {
+    if ((e = cuda_linear_init(&c->lin, device)) != cudaSuccess ||
+        (e = cuda_decode_attention_init()) != cudaSuccess) {
         cudaGetLastError();
         cu_destroy(be);
-        return pd_fail(err, "cuda backend: setting up the linear kernels on device %d: %s", device,
+        return pd_fail(err, "cuda backend: setting up the kernels on device %d: %s", device,
                        cudaGetErrorString(e));
     }
 

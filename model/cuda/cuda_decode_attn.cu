@@ -48,44 +48,82 @@ template <typename T> __device__ __forceinline__ float dec_dot(const float *qs, 
     for (int d = 0; d < hd; d++) s += qs[d] * to_f32(k[d]);
     return s;
 }
-template <> __device__ __forceinline__ float dec_dot<__half>(const float *qs, const __half *k, int hd) {
+/* s plus q . k over one 16-byte piece of a 16-bit K row (8 elements, the
+ * dims q8[0..7]): the one formula of both the loading and the prefetched
+ * path, so the two give the same bits. */
+__device__ __forceinline__ float2 dec_pair(uint32_t w, __half) {
+    __half2 h;
+    memcpy(&h, &w, 4);
+    return __half22float2(h);
+}
+__device__ __forceinline__ float2 dec_pair(uint32_t w, __nv_bfloat16) {
+    __nv_bfloat162 h;
+    memcpy(&h, &w, 4);
+    return __bfloat1622float2(h);
+}
+template <typename T> __device__ __forceinline__ float dec_dot8(float s, const float *q8, const uint4 &u) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float2 f = dec_pair(w[j], T());
+        s += q8[2 * j] * f.x + q8[2 * j + 1] * f.y;
+    }
+    return s;
+}
+template <typename T> __device__ __forceinline__ float dec_dot16(const float *qs, const T *k, int hd) {
     float s = 0.0f;
     if ((hd & 7) == 0) {
         const uint4 *k4 = (const uint4 *)k;
 #pragma unroll 4 /* several 16-byte loads in flight */
-        for (int c = 0; c < hd / 8; c++) {
-            const uint4 u = k4[c];
-            const __half2 *h2 = (const __half2 *)&u;
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const float2 f = __half22float2(h2[j]);
-                s += qs[8 * c + 2 * j] * f.x + qs[8 * c + 2 * j + 1] * f.y;
-            }
-        }
+        for (int c = 0; c < hd / 8; c++) s = dec_dot8<T>(s, qs + 8 * c, k4[c]);
         return s;
     }
-    for (int d = 0; d < hd; d++) s += qs[d] * __half2float(k[d]);
+    for (int d = 0; d < hd; d++) s += qs[d] * to_f32(k[d]);
     return s;
+}
+template <> __device__ __forceinline__ float dec_dot<__half>(const float *qs, const __half *k, int hd) {
+    return dec_dot16<__half>(qs, k, hd);
 }
 template <>
 __device__ __forceinline__ float dec_dot<__nv_bfloat16>(const float *qs, const __nv_bfloat16 *k, int hd) {
-    float s = 0.0f;
-    if ((hd & 7) == 0) {
-        const uint4 *k4 = (const uint4 *)k;
-#pragma unroll 4 /* several 16-byte loads in flight */
-        for (int c = 0; c < hd / 8; c++) {
-            const uint4 u = k4[c];
-            const __nv_bfloat162 *b2 = (const __nv_bfloat162 *)&u;
+    return dec_dot16<__nv_bfloat16>(qs, k, hd);
+}
+
+/* acc[j] += w * v_j over one 16-byte piece of a V row. */
+template <typename T> __device__ __forceinline__ void dec_axpy(float *acc, float w, const uint4 &u) {
+    constexpr int VEC = 16 / sizeof(T);
+    const T *vv = (const T *)&u;
 #pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const float2 f = __bfloat1622float2(b2[j]);
-                s += qs[8 * c + 2 * j] * f.x + qs[8 * c + 2 * j + 1] * f.y;
-            }
-        }
-        return s;
-    }
-    for (int d = 0; d < hd; d++) s += qs[d] * __bfloat162float(k[d]);
-    return s;
+    for (int j = 0; j < VEC; j++) acc[j] += w * to_f32(vv[j]);
+}
+
+/* The prefetching variant (see decode_part_kernel) is built for one shape,
+ * a 16-bit head of 64 dims (OPT-125m to -1.3b): 128-byte K and V rows,
+ * read as 8 lanes of 16 bytes, so the block's 256 threads form 32 groups.
+ * The first part's rows go to shared memory with cp.async (no registers
+ * held across the wait, so the block fits beside the kernel before it). */
+#define DEC_PRE_HEAD_DIM 64
+#define DEC_PRE_PIECES 8     /* 16-byte pieces of a row */
+#define DEC_PRE_MAX_ITEMS 128 /* a block per SM or so: batch 1..10 of 12 heads */
+/* Shared bytes of the prefetched K and V rows: a part of each. */
+#define DEC_PRE_SMEM (2 * DEC_PART * DEC_PRE_HEAD_DIM * 2)
+struct dec_pre {
+    bool on;          /* this part's rows (all but the token's own) are in kv */
+    const uint4 *kv;  /* [DEC_PART] K rows, then [DEC_PART] V rows, 8 pieces each */
+};
+
+__device__ __forceinline__ void dec_copy16(uint4 *dst, const void *src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned at = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(src) : "memory");
+#else
+    *dst = *(const uint4 *)src;
+#endif
+}
+__device__ __forceinline__ void dec_copy_wait(void) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
 }
 
 /* Whether V rows are read in 16-byte pieces (head_dim / VEC lanes a row)
@@ -108,10 +146,19 @@ __device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part
                                                 float *red, const T *v_cache, const T *k_cache,
                                                 const int32_t *table, size_t row, int h,
                                                 int head_dim, int block_size, int p0, int p1,
-                                                float *mx_out, float *sum_out) {
+                                                int p_new, const dec_pre &pre, float *mx_out,
+                                                float *sum_out) {
     const int p = p0 + (int)threadIdx.x;
     float sc = -INFINITY;
-    if (p < p1) {
+    if constexpr (sizeof(T) == 2) {
+        if (pre.on && p < p1 && p != p_new) { /* the prefetched row */
+            const uint4 *k4 = pre.kv + (size_t)threadIdx.x * DEC_PRE_PIECES;
+            sc = 0.0f;
+#pragma unroll
+            for (int c = 0; c < DEC_PRE_PIECES; c++) sc = dec_dot8<T>(sc, qs + 8 * c, k4[c]);
+        }
+    }
+    if (p < p1 && !(pre.on && p != p_new)) {
         const size_t slot = (size_t)table[p / block_size] * block_size + (size_t)(p % block_size);
         sc = dec_dot<T>(qs, k_cache + slot * row + (size_t)h * head_dim, head_dim);
     }
@@ -136,14 +183,18 @@ __device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part
         float acc[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; j++) acc[j] = 0.0f;
-#pragma unroll 4
-        for (int pp = p0 + g; pp < p1; pp += groups) {
+        auto v_row = [&](int pp) {
             const size_t slot = (size_t)table[pp / block_size] * block_size + (size_t)(pp % block_size);
-            const uint4 u = *(const uint4 *)(v_cache + slot * row + (size_t)h * head_dim + c * VEC);
-            const T *vv = (const T *)&u;
-            const float w = e[pp - p0];
-#pragma unroll
-            for (int j = 0; j < VEC; j++) acc[j] += w * to_f32(vv[j]);
+            return *(const uint4 *)(v_cache + slot * row + (size_t)h * head_dim + c * VEC);
+        };
+        if (pre.on) { /* the same rows in the same order, from shared memory */
+            const uint4 *v4 = pre.kv + (size_t)(DEC_PART + g) * DEC_PRE_PIECES + c;
+#pragma unroll 4
+            for (int pp = p0 + g; pp < p1; pp += groups, v4 += groups * DEC_PRE_PIECES)
+                dec_axpy<T>(acc, e[pp - p0], pp == p_new ? v_row(pp) : *v4);
+        } else {
+#pragma unroll 4
+            for (int pp = p0 + g; pp < p1; pp += groups) dec_axpy<T>(acc, e[pp - p0], v_row(pp));
         }
 #pragma unroll
         for (int j = 0; j < VEC; j++) acc_part[g * head_dim + c * VEC + j] = acc[j];
@@ -166,7 +217,7 @@ __device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part
  * is launched for a part that a short context does not have; few items
  * take a slot per part, spreading one long context over the SMs. Either
  * way the parts, and the merge below, are the same, and so is the result. */
-template <typename T>
+template <typename T, bool PRE>
 __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters, T *out, const T *q,
                                    int q_stride, T *k_cache, T *v_cache, const T *k_new,
                                    const T *v_new, int new_stride, const int32_t *slot_mapping,
@@ -179,10 +230,35 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
     __shared__ int last_part;
     const int item = blockIdx.x, slots = (int)gridDim.y;
     const int t = item / heads, h = item % heads;
+    /* The step's metadata was copied in before the step's first kernel, so
+     * it may be read before the wait. */
     const int n_ctx = positions[t] + 1;
     if ((int)blockIdx.y * DEC_PART >= n_ctx) return; /* the whole block: this context is shorter */
     const int32_t *table = block_tables + (size_t)token_seq[t] * max_blocks;
     const size_t row = (size_t)heads * head_dim;
+    /* PRE (a PDL launch, 16-bit, head_dim 64, this step writes each
+     * sequence's one new row itself): every cached row but the token's own
+     * was written by earlier steps, so the block's first part of K and V is
+     * loaded before the wait, while the qkv projection that feeds q still
+     * runs; only q and the new row wait for it. */
+    dec_pre pre;
+    pre.on = PRE;
+    pre.kv = (const uint4 *)(smem + head_dim + DEC_ACC + DEC_PART);
+    if constexpr (PRE) { /* thread i: position p0 + i's K row and V row */
+        const int p = (int)blockIdx.y * DEC_PART + (int)threadIdx.x;
+        if (p < n_ctx - 1) {
+            const size_t slot = (size_t)table[p / block_size] * block_size + (size_t)(p % block_size);
+            const size_t at = slot * row + (size_t)h * head_dim;
+            uint4 *dst = (uint4 *)pre.kv + (size_t)threadIdx.x * DEC_PRE_PIECES;
+#pragma unroll
+            for (int c = 0; c < DEC_PRE_PIECES; c++) {
+                dec_copy16(dst + c, k_cache + at + 8 * c);
+                dec_copy16(dst + DEC_PART * DEC_PRE_PIECES + c, v_cache + at + 8 * c);
+            }
+        }
+    }
+    pdl_wait(); /* q, and (below) the new row: written by the kernel before */
+    if constexpr (PRE) dec_copy_wait(); /* this thread's copies; the barrier below shares them */
     float *qs = smem, *acc_part = smem + head_dim, *e = acc_part + DEC_ACC;
     const T *qt = q + (size_t)t * q_stride + (size_t)h * head_dim;
     for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) qs[d] = to_f32(qt[d]) * scale;
@@ -202,7 +278,8 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
         __syncthreads(); /* q in place; the k, v written above before their reads */
         float mx, sum;
         decode_one_part<T>(qs, acc_part, e, red, v_cache, k_cache, table, row, h, head_dim,
-                           block_size, p0, p1, &mx, &sum);
+                           block_size, p0, p1, n_ctx - 1, pre, &mx, &sum);
+        pre.on = false; /* only the first part was prefetched */
         /* The groups' sums in group order (head_dim <= DEC_THREADS). */
         float o = 0.0f;
         if (threadIdx.x < head_dim)
@@ -248,15 +325,73 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
     }
 }
 
+cudaError_t cuda_decode_attention_init(void) {
+    /* The prefetching kernels' shared memory passes the default 48 KiB. */
+    const int bytes =
+        (int)(sizeof(float) * (DEC_PRE_HEAD_DIM + DEC_ACC + DEC_PART) + DEC_PRE_SMEM);
+    cudaError_t e = cudaFuncSetAttribute(decode_part_kernel<__half, true>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(decode_part_kernel<__nv_bfloat16, true>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    return e;
+}
+
 size_t cuda_decode_attention_work(int n_tokens, int heads, int head_dim, int max_ctx) {
     const size_t parts = (size_t)(max_ctx + DEC_PART - 1) / DEC_PART;
     return (size_t)n_tokens * heads * parts * ((size_t)head_dim + 2);
 }
 
+template <typename T, bool PRE>
+static void decode_launch(cudaStream_t s, dim3 grid, size_t smem, int pdl, float *part_o,
+                          float *part_ml, int *counters, void *out, const void *q, int q_stride,
+                          const void *k_cache, const void *v_cache,
+                          const cuda_kv_pending *write, const pd_step_meta *m, int heads,
+                          int head_dim, int block_size, float scale, int n_parts) {
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(DEC_THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = &attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    cudaLaunchKernelEx(&cfg, decode_part_kernel<T, PRE>, part_o, part_ml, counters, (T *)out,
+                       (const T *)q, q_stride, (T *)k_cache, (T *)v_cache,
+                       write ? (const T *)write->k : (const T *)NULL,
+                       write ? (const T *)write->v : (const T *)NULL, write ? write->stride : 0,
+                       m->slot_mapping, m->positions, m->token_seq, m->block_tables, m->max_blocks,
+                       heads, head_dim, block_size, scale, n_parts); /* errors: cudaGetLastError */
+}
+
+/* The prefetching kernel exists for 16-bit types only. */
+template <typename T>
+static void decode_pick(bool pre, cudaStream_t s, dim3 grid, size_t smem, int pdl, float *part_o,
+                        float *part_ml, int *counters, void *out, const void *q, int q_stride,
+                        const void *k_cache, const void *v_cache, const cuda_kv_pending *write,
+                        const pd_step_meta *m, int heads, int head_dim, int block_size,
+                        float scale, int n_parts) {
+    if constexpr (sizeof(T) == 2) {
+        if (pre) {
+            decode_launch<T, true>(s, grid, smem, pdl, part_o, part_ml, counters, out, q,
+                                   q_stride, k_cache, v_cache, write, m, heads, head_dim,
+                                   block_size, scale, n_parts);
+            return;
+        }
+    }
+    (void)pre;
+    decode_launch<T, false>(s, grid, smem, pdl, part_o, part_ml, counters, out, q, q_stride,
+                            k_cache, v_cache, write, m, heads, head_dim, block_size, scale,
+                            n_parts);
+}
+
 bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                            const void *k_cache, const void *v_cache, const pd_step_meta *m,
                            int heads, int head_dim, int block_size, float scale, float *work,
-                           size_t work_floats, const cuda_kv_pending *write, int *counters) {
+                           size_t work_floats, const cuda_kv_pending *write, int *counters,
+                           int pdl) {
     const int max_ctx = m->max_blocks * block_size;
     if (head_dim > DEC_THREADS || max_ctx <= 0 || !counters ||
         (long)m->n_tokens * heads > CUDA_DECODE_MAX_ITEMS ||
@@ -268,7 +403,7 @@ bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q
     const int n_parts = (max_ctx + DEC_PART - 1) / DEC_PART;
     const int items = m->n_tokens * heads;
     float *part_o = work, *part_ml = work + (size_t)items * n_parts * head_dim;
-    const size_t smem = sizeof(float) * ((size_t)head_dim + DEC_ACC + DEC_PART);
+    size_t smem = sizeof(float) * ((size_t)head_dim + DEC_ACC + DEC_PART);
     /* Slots per item: a part each while the items alone are too few blocks
      * to fill the device, else fewer (each block then walks several parts;
      * see decode_part_kernel). Depends only on host-known sizes, so a
@@ -276,12 +411,16 @@ bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q
     const int want = (DEC_TARGET_BLOCKS + items - 1) / items;
     const int slots = want < 1 ? 1 : want > n_parts ? n_parts : want;
     const dim3 grid((unsigned)items, (unsigned)slots);
+    /* Prefetching holds 64 more registers a thread, which only pays while
+     * the items are few (batch 1..~40 of a 12-head model); a large batch
+     * keeps the plain kernel and its occupancy. Either gives the same bits. */
+    const bool pre = pdl && write && dt != PD_F32 && head_dim == DEC_PRE_HEAD_DIM &&
+                     items <= DEC_PRE_MAX_ITEMS && (uintptr_t)k_cache % 16 == 0 &&
+                     (uintptr_t)v_cache % 16 == 0;
+    if (pre) smem += DEC_PRE_SMEM;
     CUDA_DISPATCH(dt, E,
-                  decode_part_kernel<E><<<grid, DEC_THREADS, smem, s>>>(
-                      part_o, part_ml, counters, (E *)out, (const E *)q, q_stride, (E *)k_cache,
-                      (E *)v_cache, write ? (const E *)write->k : NULL,
-                      write ? (const E *)write->v : NULL, write ? write->stride : 0,
-                      m->slot_mapping, m->positions, m->token_seq, m->block_tables, m->max_blocks,
-                      heads, head_dim, block_size, scale, n_parts))
+                  decode_pick<E>(pre, s, grid, smem, pdl && write, part_o, part_ml, counters, out,
+                                 q, q_stride, k_cache, v_cache, write, m, heads, head_dim,
+                                 block_size, scale, n_parts))
     return true;
 }

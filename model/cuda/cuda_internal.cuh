@@ -169,11 +169,14 @@ void cuda_flash_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
 #define CUDA_MAX_HEAD_DIM 512
 /* write: a kv_write of this step still to be done (NULL: none), fused into
  * the decode kernel where it can be, else launched first. counters: the
- * decode kernel's per-item part counters (zeroed, and left zeroed). */
+ * decode kernel's per-item part counters (zeroed, and left zeroed). pdl:
+ * the decode kernel with the write fused in may be PDL-launched (see
+ * pdl_wait), and then loads the cached K and V before it waits. */
 void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                           const void *k_cache, const void *v_cache, const pd_step_meta *meta,
                           int heads, int head_dim, int block_size, float scale, float *work,
-                          size_t work_floats, const cuda_kv_pending *write, int *counters);
+                          size_t work_floats, const cuda_kv_pending *write, int *counters,
+                          int pdl);
 
 /* ---- launchers (cuda_decode_attn.cu) ---- */
 
@@ -181,6 +184,8 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
 /* Most (token, head) items of one decode-attention call (its counters):
  * 256 sequences of a 64-head model. */
 #define CUDA_DECODE_MAX_ITEMS 16384
+/* Once per device, before the first cuda_decode_attention. */
+cudaError_t cuda_decode_attention_init(void);
 /* Floats of work space cuda_decode_attention needs for a step. */
 size_t cuda_decode_attention_work(int n_tokens, int heads, int head_dim, int max_ctx);
 /* Context-split attention for few-query steps; false (nothing queued) when
@@ -188,7 +193,8 @@ size_t cuda_decode_attention_work(int n_tokens, int heads, int head_dim, int max
 bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                            const void *k_cache, const void *v_cache, const pd_step_meta *m,
                            int heads, int head_dim, int block_size, float scale, float *work,
-                           size_t work_floats, const cuda_kv_pending *write, int *counters);
+                           size_t work_floats, const cuda_kv_pending *write, int *counters,
+                           int pdl);
 
 /* ---- launchers (cuda_sample.cu) ---- */
 

@@ -61,6 +61,7 @@ struct lin_params {
     float ln_eps;
     int layer_norm, activate, accumulate;
     int vec_x, vec_w; /* x rows / W rows may be read in 16-byte pieces */
+    int vec_ln;       /* ln_w, ln_b may be read in 16-byte pieces */
     pd_activation act;
 };
 
@@ -102,9 +103,58 @@ __device__ __forceinline__ void lin_widen(const uint4 &v, float *f, __nv_bfloat1
     }
 }
 
+/* What a block can read before griddepcontrol.wait, because no earlier
+ * kernel of the step writes it (the layer's own parameters), plus the
+ * residual it will add, read right after the wait: all of it then travels
+ * alongside the weight loads and x's staging instead of as three more
+ * memory round trips at the end of the kernel's critical path.
+ *  - ln_w, ln_b: this thread's 16 bytes of each (elements threadIdx.x * V
+ *    .. + V), when one piece per thread covers the row (ln_vec);
+ *  - bias, y_old: the epilogue thread's (see lin_epilogue) bias element
+ *    and, when accumulating, the y element it adds. */
+struct lin_pre {
+    uint4 ln_w, ln_b;
+    float bias, y_old;
+    bool ln_vec;
+};
+
+/* The epilogue thread's output row and token; false when it has none. */
+template <int NTILE> __device__ __forceinline__ bool lin_epi_slot(const lin_params &p, int *row, int *t) {
+    if (threadIdx.x >= NTILE * 64) return false;
+    const int tile = threadIdx.x >> 6, e = threadIdx.x & 63;
+    *t = e >> 3;
+    *row = (blockIdx.x * NTILE + tile) * 8 + (e & 7);
+    return *t < p.T && *row < p.out;
+}
+
+/* Before the wait: the layer's own parameters. */
+template <typename E, int NTILE> __device__ __forceinline__ lin_pre lin_prefetch(const lin_params &p) {
+    constexpr int V = 16 / sizeof(E);
+    lin_pre pre;
+    pre.ln_w = pre.ln_b = make_uint4(0, 0, 0, 0);
+    pre.bias = pre.y_old = 0.0f;
+    pre.ln_vec = p.layer_norm && p.ln_w && p.vec_ln && p.in <= V * (int)blockDim.x;
+    const int k = (int)threadIdx.x * V;
+    if (pre.ln_vec && k < p.in) {
+        pre.ln_w = __ldg((const uint4 *)((const E *)p.ln_w + k));
+        pre.ln_b = __ldg((const uint4 *)((const E *)p.ln_b + k));
+    }
+    int row, t;
+    if (p.bias && lin_epi_slot<NTILE>(p, &row, &t)) pre.bias = to_f32(__ldg((const E *)p.bias + row));
+    return pre;
+}
+
+/* After the wait: the residual this thread's output adds to. */
+template <typename E, int NTILE> __device__ __forceinline__ void lin_load_acc(const lin_params &p, lin_pre *pre) {
+    int row, t;
+    if (p.accumulate && lin_epi_slot<NTILE>(p, &row, &t))
+        pre->y_old = to_f32(((const E *)p.y)[(size_t)t * p.out + row]);
+}
+
 /* x's T rows into shared memory xs ([T, in_pad] of S, zero past `in`), then
  * the layer norm in place when asked. Ends with the block synchronised. */
-template <typename E, typename S> __device__ void lin_stage_x(const lin_params &p, S *xs) {
+template <typename E, typename S>
+__device__ void lin_stage_x(const lin_params &p, S *xs, const lin_pre &pre) {
     const E *x = (const E *)p.x;
     bool copied = false;
     if constexpr (sizeof(S) == sizeof(E)) {
@@ -172,13 +222,28 @@ template <typename E, typename S> __device__ void lin_stage_x(const lin_params &
     }
     __syncthreads();
     const E *lw = (const E *)p.ln_w, *lb = (const E *)p.ln_b;
-    for (int t = 0; t < p.T; t++) {
-        S *row = xs + (size_t)t * p.in_pad;
-        const float mean = row_mean[t], rstd = row_rstd[t];
-        for (int k = threadIdx.x; k < p.in; k += blockDim.x) {
-            float v = (to_f32(row[k]) - mean) * rstd;
-            if (lw) v = v * to_f32(lw[k]) + to_f32(lb[k]);
-            row[k] = from_f32<S>(v);
+    if (pre.ln_vec) { /* the prefetched pieces: elements threadIdx.x * V .. + V */
+        constexpr int V = 16 / sizeof(E);
+        const int k0 = (int)threadIdx.x * V;
+        float fw[V], fb[V];
+        lin_widen(pre.ln_w, fw, E());
+        lin_widen(pre.ln_b, fb, E());
+        for (int t = 0; t < p.T && k0 < p.in; t++) {
+            S *row = xs + (size_t)t * p.in_pad + k0;
+            const float mean = row_mean[t], rstd = row_rstd[t];
+#pragma unroll
+            for (int j = 0; j < V; j++)
+                row[j] = from_f32<S>((to_f32(row[j]) - mean) * rstd * fw[j] + fb[j]);
+        }
+    } else {
+        for (int t = 0; t < p.T; t++) {
+            S *row = xs + (size_t)t * p.in_pad;
+            const float mean = row_mean[t], rstd = row_rstd[t];
+            for (int k = threadIdx.x; k < p.in; k += blockDim.x) {
+                float v = (to_f32(row[k]) - mean) * rstd;
+                if (lw) v = v * to_f32(lw[k]) + to_f32(lb[k]);
+                row[k] = from_f32<S>(v);
+            }
         }
     }
     __syncthreads();
@@ -187,24 +252,23 @@ template <typename E, typename S> __device__ void lin_stage_x(const lin_params &
 /* red[warp][t * 8 + r]: warp's partial sum for token t, row r of its tile.
  * Adds the warps of each tile in order, then bias, activation, accumulate. */
 template <typename E, int NTILE>
-__device__ void lin_epilogue(const lin_params &p, const float *red) {
+__device__ void lin_epilogue(const lin_params &p, const float *red, const lin_pre &pre) {
     constexpr int KS = LIN_WARPS / NTILE;
-    if (threadIdx.x >= NTILE * 64) return;
-    const int tile = threadIdx.x >> 6, e = threadIdx.x & 63, t = e >> 3;
-    const int row = (blockIdx.x * NTILE + tile) * 8 + (e & 7);
-    if (t >= p.T || row >= p.out) return;
+    int row, t;
+    if (!lin_epi_slot<NTILE>(p, &row, &t)) return;
+    const int tile = threadIdx.x >> 6, e = threadIdx.x & 63;
     float v = 0.0f;
 #pragma unroll
     for (int kw = 0; kw < KS; kw++)
         v += red[(tile * KS + kw) * 64 + e];
-    if (p.bias) v += to_f32(((const E *)p.bias)[row]);
+    if (p.bias) v += pre.bias;
     if (p.activate) v = act_apply(v, p.act);
     E *y = (E *)p.y + (size_t)t * p.out + row;
     /* Round the product to the storage type before the residual is added,
      * as the unfused composition (and Hugging Face's Linear, then add) do:
      * one rounding less would differ from them by an ulp now and then, and
      * at a near tie that is a different greedy token. */
-    if (p.accumulate) v = to_f32(from_f32<E>(v)) + to_f32(*y);
+    if (p.accumulate) v = to_f32(from_f32<E>(v)) + pre.y_old;
     *y = from_f32<E>(v);
 }
 
@@ -242,7 +306,7 @@ __device__ __forceinline__ void lin_mma(float *c, uint32_t a0, uint32_t a2, uint
  * Logical k (2q + {0,1}, 2q + 8 + {0,1}) of step s is physical element
  * 8q + 4s + ({0,1}, {2,3}) of the chunk, for A and B alike. */
 template <typename E, int NTILE>
-__global__ void __launch_bounds__(LIN_THREADS) linear_mma_kernel(lin_params p) {
+__global__ void __launch_bounds__(LIN_THREADS, 4) linear_mma_kernel(lin_params p) {
     constexpr int KS = LIN_WARPS / NTILE; /* warps sharing one tile's k range */
     extern __shared__ uint4 lin_dyn[];
     __shared__ float red[LIN_WARPS * 64];
@@ -267,8 +331,10 @@ __global__ void __launch_bounds__(LIN_THREADS) linear_mma_kernel(lin_params p) {
     };
     pdl_trigger();
     load_w(0); /* in flight while the previous kernel ends and x is staged */
+    lin_pre pre = lin_prefetch<E, NTILE>(p);
     pdl_wait();
-    lin_stage_x<E, E>(p, xs);
+    lin_load_acc<E, NTILE>(p, &pre);
+    lin_stage_x<E, E>(p, xs, pre);
 
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const E *xrow = xs + (size_t)g * p.in_pad + q * 8;
@@ -287,7 +353,7 @@ __global__ void __launch_bounds__(LIN_THREADS) linear_mma_kernel(lin_params p) {
     red[warp * 64 + lane * 2] = c[0]; /* token g, rows 2q and 2q + 1: index g * 8 + 2q */
     red[warp * 64 + lane * 2 + 1] = c[1];
     __syncthreads();
-    lin_epilogue<E, NTILE>(p, red);
+    lin_epilogue<E, NTILE>(p, red, pre);
 }
 
 /* ---- fp32 (and unaligned 16-bit rows): CUDA-core FMAs ----
@@ -329,8 +395,10 @@ __global__ void __launch_bounds__(LIN_THREADS) linear_simt_kernel(lin_params p) 
     };
     pdl_trigger();
     load_w(0);
+    lin_pre pre = lin_prefetch<E, NTILE>(p);
     pdl_wait();
-    lin_stage_x<E, float>(p, xs);
+    lin_load_acc<E, NTILE>(p, &pre);
+    lin_stage_x<E, float>(p, xs, pre);
 
     float acc[LIN_MAX_T];
 #pragma unroll
@@ -367,7 +435,7 @@ __global__ void __launch_bounds__(LIN_THREADS) linear_simt_kernel(lin_params p) 
         if (t < p.T && (t & 3) == q) red[warp * 64 + t * 8 + g] = acc[t];
     }
     __syncthreads();
-    lin_epilogue<E, NTILE>(p, red);
+    lin_epilogue<E, NTILE>(p, red, pre);
 }
 
 /* ---- host side ---- */
@@ -426,6 +494,8 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     const size_t smem = (size_t)p.T * p.in_pad * (mma ? es : sizeof(float));
     if (smem > env->smem_max) return false;
     p.vec_w = w_vec;
+    p.vec_ln = p.layer_norm && p.ln_w && p.ln_b && lin_aligned16(p.ln_w) && lin_aligned16(p.ln_b) &&
+               (p.in * es) % 16 == 0;
     /* 16-byte x copies only where shared memory keeps the storage type. */
     p.vec_x = (mma || dt == PD_F32) && lin_aligned16(p.x) && (p.x_stride * es) % 16 == 0 &&
               (p.in * es) % 16 == 0;
