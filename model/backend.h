@@ -151,6 +151,11 @@ struct pd_backend {
     /* Queue a host-to-device copy without waiting. src must stay unchanged
      * until the next sync or download (the copy is ordered before later ops). */
     int (*copy_h2d_async)(pd_backend *be, void *dst, const void *src, size_t bytes, pd_err *err);
+    /* Optional: page-locked host memory for the small buffers that cross to
+     * and from the device every step (step metadata, sampled ids), so their
+     * copies are one DMA each rather than a staged copy. NULL: malloc/free. */
+    void *(*host_alloc)(pd_backend *be, size_t bytes, pd_err *err);
+    void (*host_free)(pd_backend *be, void *p); /* NULL is fine */
     /* Queue a device-to-device copy (also the bandwidth probe of benchmarks). */
     void (*copy_d2d)(pd_backend *be, void *dst, const void *src, size_t bytes);
     /* Graph capture: between graph_begin and graph_end every compute op is

@@ -34,7 +34,8 @@ typedef struct opt_scratch {
     int32_t *ids;       /* [n_logits] greedy picks or draws (device) */
     float *sample_dev;  /* [n_logits, 5] sampling parameters (device) */
     void *meta_dev;     /* int32 [cap_meta] */
-    int32_t *meta_host; /* host staging for the same */
+    int32_t *meta_host; /* host staging for the same (host_alloc) */
+    int32_t *ids_host;  /* [cap_logits] host staging of ids (host_alloc) */
 } opt_scratch;
 
 /* Decode steps as CUDA graphs: one recording per padded batch size. A
@@ -47,7 +48,7 @@ typedef struct opt_graphs {
     const opt_kv_storage *kv;         /* the storage the recordings write into */
     int max_blocks;                   /* block-table row length in the recordings */
     void *meta_dev;                   /* fixed metadata buffer the recordings read */
-    int32_t *meta_host;               /* its host staging */
+    int32_t *meta_host;               /* its host staging (host_alloc) */
     size_t meta_cap;                  /* int32 entries of both */
     void *exec[OPT_GRAPH_SIZES];      /* recordings by size index (NULL: not yet) */
     int replays, captures;            /* for logs and tests */
@@ -283,6 +284,19 @@ int opt_model_create(const opt_config *cfg, const opt_weights *w, pd_backend *be
     return 0;
 }
 
+/* Host staging buffers: page-locked where the backend has it. */
+static void *host_alloc(pd_backend *be, size_t bytes) {
+    pd_err ignored;
+    return be->host_alloc ? be->host_alloc(be, bytes, &ignored) : malloc(bytes);
+}
+static void host_free(pd_backend *be, void *p) {
+    if (be->host_alloc) {
+        if (be->host_free) be->host_free(be, p);
+    } else {
+        free(p);
+    }
+}
+
 static void scratch_free(pd_backend *be, opt_scratch *s) {
     void **dev[] = {&s->x,      &s->a,      &s->qkv,    &s->attn,        &s->ffn,   &s->emb,
                     &s->last,   &s->last_w, &s->logits, (void **)&s->ids, &s->meta_dev,
@@ -291,8 +305,10 @@ static void scratch_free(pd_backend *be, opt_scratch *s) {
         be->free(be, *dev[i]);
         *dev[i] = NULL;
     }
-    free(s->meta_host);
+    host_free(be, s->meta_host);
+    host_free(be, s->ids_host);
     s->meta_host = NULL;
+    s->ids_host = NULL;
     s->cap_tokens = s->cap_logits = s->cap_meta = 0;
 }
 
@@ -407,14 +423,20 @@ static int scratch_reserve(opt_model *m, int T, int n_logits, int n_meta, pd_err
                 return pd_wrap(err, "opt forward: logits for %d rows", cap);
             }
         }
+        host_free(be, s->ids_host);
+        s->ids_host = host_alloc(be, (size_t)cap * sizeof(int32_t));
+        if (!s->ids_host) {
+            scratch_free(be, s);
+            return pd_fail(err, "opt forward: out of host memory for %d ids", cap);
+        }
         s->cap_logits = cap;
     }
     if (n_meta > s->cap_meta) {
         int cap = n_meta > 2 * s->cap_meta ? n_meta : 2 * s->cap_meta;
         be->free(be, s->meta_dev);
-        free(s->meta_host);
+        host_free(be, s->meta_host);
         s->meta_dev = be->alloc(be, (size_t)cap * sizeof(int32_t), err);
-        s->meta_host = malloc((size_t)cap * sizeof(int32_t));
+        s->meta_host = host_alloc(be, (size_t)cap * sizeof(int32_t));
         if (!s->meta_dev || !s->meta_host) {
             scratch_free(be, s);
             return pd_fail(err, "opt forward: out of memory for step metadata");
@@ -678,10 +700,17 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
     if (n_logits == 0) return;
 
     /* Everything after the last layer is per row, so only the rows that want
-     * logits go through the final LN, project_out and lm_head. */
-    be->gather_rows(be, s->last, s->x, logit_rows, n_logits, h);
-    /* The final LN is fused into the first projection that follows it (in
-     * place: s->last is only read again through that LN). */
+     * logits go through the final LN, project_out and lm_head. When every
+     * token wants them (a decode step: then each sequence has one token and
+     * the rows are 0..T-1, see fill_meta) x is read in place. */
+    const void *last_in = s->x;
+    if (n_logits != T) {
+        be->gather_rows(be, s->last, s->x, logit_rows, n_logits, h);
+        last_in = s->last;
+    }
+    /* The final LN is fused into the first projection that follows it; a
+     * backend that runs it apart writes it to s->last (in place when the
+     * rows were gathered there: they are only read again through the LN). */
     const pd_linear_fuse final_ln = {.layer_norm = m->has_final_ln,
                                      .ln_w = m->final_ln_w,
                                      .ln_b = m->final_ln_b,
@@ -689,10 +718,10 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
                                      .ln_out = s->last};
     const pd_linear_fuse plain = {0};
     if (m->has_proj) {
-        linear(be, s->last_w, s->last, h, m->project_out, NULL, n_logits, h, wd, &final_ln);
+        linear(be, s->last_w, last_in, h, m->project_out, NULL, n_logits, h, wd, &final_ln);
         linear(be, s->logits, s->last_w, wd, m->lm_head, NULL, n_logits, wd, c->vocab_size, &plain);
     } else {
-        linear(be, s->logits, s->last, h, m->lm_head, NULL, n_logits, wd, c->vocab_size, &final_ln);
+        linear(be, s->logits, last_in, h, m->lm_head, NULL, n_logits, wd, c->vocab_size, &final_ln);
     }
     if (be->argmax) be->argmax(be, s->ids, s->logits, n_logits, c->vocab_size);
 }
@@ -716,8 +745,10 @@ static int read_outputs(opt_model *m, int n_logits, float *logits, int32_t *ids,
         return pd_wrap(err, "opt forward: logits");
     if (!ids) return 0;
     if (be->argmax || sample_params) {
-        if (be->copy_d2h(be, ids, m->s.ids, sizeof(int32_t) * (size_t)n_logits, err) != 0)
+        const size_t bytes = sizeof(int32_t) * (size_t)n_logits;
+        if (be->copy_d2h(be, m->s.ids_host, m->s.ids, bytes, err) != 0)
             return pd_wrap(err, "opt forward: sampled ids");
+        memcpy(ids, m->s.ids_host, bytes);
         return 0;
     }
     /* No device argmax (the CPU): pick from the logits on the host. */
@@ -773,7 +804,7 @@ static void graphs_drop(opt_model *m) {
 static void graphs_free(opt_model *m) {
     graphs_drop(m);
     m->be->free(m->be, m->g.meta_dev);
-    free(m->g.meta_host);
+    host_free(m->be, m->g.meta_host);
     m->g.meta_dev = NULL;
     m->g.meta_host = NULL;
     m->g.meta_cap = 0;
@@ -834,9 +865,9 @@ static int graphs_attach(opt_model *m, opt_kv_storage *kv, pd_err *err) {
     const size_t need = meta_entries(B_max, B_max, MB, B_max); /* B tokens, seqs, logit rows */
     if (need > g->meta_cap) {
         be->free(be, g->meta_dev);
-        free(g->meta_host);
+        host_free(be, g->meta_host);
         g->meta_dev = be->alloc(be, need * sizeof(int32_t), err);
-        g->meta_host = malloc(need * sizeof(int32_t));
+        g->meta_host = host_alloc(be, need * sizeof(int32_t));
         g->meta_cap = g->meta_dev && g->meta_host ? need : 0;
         if (!g->meta_cap) {
             graphs_free(m);

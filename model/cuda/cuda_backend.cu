@@ -547,6 +547,26 @@ static int cu_copy_h2d_async(pd_backend *be, void *dst, const void *src, size_t 
     return 0;
 }
 
+static void *cu_host_alloc(pd_backend *be, size_t bytes, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    void *p = NULL;
+    cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        pd_fail(err, "cuda backend: %zu bytes of page-locked host memory: %s", bytes,
+                cudaGetErrorString(e));
+        return NULL;
+    }
+    return p;
+}
+
+static void cu_host_free(pd_backend *be, void *p) {
+    if (!p) return;
+    cu_enter(ctx_of(be));
+    cudaFreeHost(p);
+}
+
 static void cu_copy_d2d(pd_backend *be, void *dst, const void *src, size_t bytes) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
@@ -798,6 +818,8 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->sample = cu_sample;
     be->copy_h2d_async = cu_copy_h2d_async;
     be->copy_d2d = cu_copy_d2d;
+    be->host_alloc = cu_host_alloc;
+    be->host_free = cu_host_free;
     be->graph_begin = cu_graph_begin;
     be->graph_end = cu_graph_end;
     be->graph_launch = cu_graph_launch;

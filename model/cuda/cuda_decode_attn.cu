@@ -108,8 +108,9 @@ template <typename T> __device__ __forceinline__ void dec_axpy(float *acc, float
 /* Shared bytes of the prefetched K and V rows: a part of each. */
 #define DEC_PRE_SMEM (2 * DEC_PART * DEC_PRE_HEAD_DIM * 2)
 struct dec_pre {
-    bool on;          /* this part's rows (all but the token's own) are in kv */
-    const uint4 *kv;  /* [DEC_PART] K rows, then [DEC_PART] V rows, 8 pieces each */
+    bool on;    /* this part's rows are in kv: the cached ones copied before
+                 * the wait, the token's own one staged after it */
+    uint4 *kv;  /* [DEC_PART] K rows, then [DEC_PART] V rows, 8 pieces each */
 };
 
 __device__ __forceinline__ void dec_copy16(uint4 *dst, const void *src) {
@@ -146,19 +147,18 @@ __device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part
                                                 float *red, const T *v_cache, const T *k_cache,
                                                 const int32_t *table, size_t row, int h,
                                                 int head_dim, int block_size, int p0, int p1,
-                                                int p_new, const dec_pre &pre, float *mx_out,
-                                                float *sum_out) {
+                                                const dec_pre &pre, float *mx_out, float *sum_out) {
     const int p = p0 + (int)threadIdx.x;
     float sc = -INFINITY;
     if constexpr (sizeof(T) == 2) {
-        if (pre.on && p < p1 && p != p_new) { /* the prefetched row */
+        if (pre.on && p < p1) { /* the prefetched row (or the new one, staged with them) */
             const uint4 *k4 = pre.kv + (size_t)threadIdx.x * DEC_PRE_PIECES;
             sc = 0.0f;
 #pragma unroll
             for (int c = 0; c < DEC_PRE_PIECES; c++) sc = dec_dot8<T>(sc, qs + 8 * c, k4[c]);
         }
     }
-    if (p < p1 && !(pre.on && p != p_new)) {
+    if (p < p1 && !pre.on) {
         const size_t slot = (size_t)table[p / block_size] * block_size + (size_t)(p % block_size);
         sc = dec_dot<T>(qs, k_cache + slot * row + (size_t)h * head_dim, head_dim);
     }
@@ -191,7 +191,7 @@ __device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part
             const uint4 *v4 = pre.kv + (size_t)(DEC_PART + g) * DEC_PRE_PIECES + c;
 #pragma unroll 4
             for (int pp = p0 + g; pp < p1; pp += groups, v4 += groups * DEC_PRE_PIECES)
-                dec_axpy<T>(acc, e[pp - p0], pp == p_new ? v_row(pp) : *v4);
+                dec_axpy<T>(acc, e[pp - p0], *v4);
         } else {
 #pragma unroll 4
             for (int pp = p0 + g; pp < p1; pp += groups) dec_axpy<T>(acc, e[pp - p0], v_row(pp));
@@ -243,13 +243,13 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
      * runs; only q and the new row wait for it. */
     dec_pre pre;
     pre.on = PRE;
-    pre.kv = (const uint4 *)(smem + head_dim + DEC_ACC + DEC_PART);
+    pre.kv = (uint4 *)(smem + head_dim + DEC_ACC + DEC_PART);
     if constexpr (PRE) { /* thread i: position p0 + i's K row and V row */
         const int p = (int)blockIdx.y * DEC_PART + (int)threadIdx.x;
         if (p < n_ctx - 1) {
             const size_t slot = (size_t)table[p / block_size] * block_size + (size_t)(p % block_size);
             const size_t at = slot * row + (size_t)h * head_dim;
-            uint4 *dst = (uint4 *)pre.kv + (size_t)threadIdx.x * DEC_PRE_PIECES;
+            uint4 *dst = pre.kv + (size_t)threadIdx.x * DEC_PRE_PIECES;
 #pragma unroll
             for (int c = 0; c < DEC_PRE_PIECES; c++) {
                 dec_copy16(dst + c, k_cache + at + 8 * c);
@@ -268,17 +268,27 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
         const int p0 = part_i * DEC_PART, p1 = min(n_ctx, p0 + DEC_PART);
         if (k_new && p1 == n_ctx) { /* this part holds the token itself: its k, v first */
             const int32_t slot = slot_mapping[t];
-            if (slot >= 0)
-                for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) {
+            /* With the part prefetched, the new row also goes where its
+             * neighbours are (saving the part two reads of it from L2). */
+            T *staged = pre.on ? (T *)pre.kv + (size_t)(n_ctx - 1 - p0) * head_dim : NULL;
+            for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) {
+                const T kd = k_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
+                const T vd = v_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
+                if (slot >= 0) {
                     const size_t at = (size_t)slot * row + (size_t)h * head_dim + d;
-                    k_cache[at] = k_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
-                    v_cache[at] = v_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
+                    k_cache[at] = kd;
+                    v_cache[at] = vd;
                 }
+                if (staged) {
+                    staged[d] = kd;
+                    staged[(size_t)DEC_PART * head_dim + d] = vd;
+                }
+            }
         }
         __syncthreads(); /* q in place; the k, v written above before their reads */
         float mx, sum;
         decode_one_part<T>(qs, acc_part, e, red, v_cache, k_cache, table, row, h, head_dim,
-                           block_size, p0, p1, n_ctx - 1, pre, &mx, &sum);
+                           block_size, p0, p1, pre, &mx, &sum);
         pre.on = false; /* only the first part was prefetched */
         /* The groups' sums in group order (head_dim <= DEC_THREADS). */
         float o = 0.0f;

@@ -49,8 +49,13 @@
 #define LIN_UNROLL 4 /* 16-byte weight loads in flight per lane (FMA kernel) */
 /* The MMA kernel holds 16 bytes per load where the FMA kernel widens them
  * to floats, so it affords twice as many loads in flight: at T = 1 the
- * bytes in flight, not the arithmetic, set the speed. */
+ * bytes in flight, not the arithmetic, set the speed. A warp with more
+ * chunks than that (a long input on few outputs: opt-125m's fc2, 3072 ->
+ * 768, 12 chunks a warp) takes the LIN_UNROLL_MMA_LONG variant, so that
+ * all of its weights are loaded before griddepcontrol.wait rather than
+ * a second round after it. */
 #define LIN_UNROLL_MMA 8
+#define LIN_UNROLL_MMA_LONG 16
 
 /* One call's arguments, by value to the kernel. */
 struct lin_params {
@@ -62,6 +67,7 @@ struct lin_params {
     int layer_norm, activate, accumulate;
     int vec_x, vec_w; /* x rows / W rows may be read in 16-byte pieces */
     int vec_ln;       /* ln_w, ln_b may be read in 16-byte pieces */
+    int n_vblocks;    /* tile blocks (NTILE tiles of 8 rows each) covering out */
     pd_activation act;
 };
 
@@ -119,12 +125,21 @@ struct lin_pre {
 };
 
 /* The epilogue thread's output row and token; false when it has none. */
-template <int NTILE> __device__ __forceinline__ bool lin_epi_slot(const lin_params &p, int *row, int *t) {
+template <int NTILE>
+__device__ __forceinline__ bool lin_epi_slot(const lin_params &p, int vb, int *row, int *t) {
     if (threadIdx.x >= NTILE * 64) return false;
     const int tile = threadIdx.x >> 6, e = threadIdx.x & 63;
     *t = e >> 3;
-    *row = (blockIdx.x * NTILE + tile) * 8 + (e & 7);
+    *row = (vb * NTILE + tile) * 8 + (e & 7);
     return *t < p.T && *row < p.out;
+}
+
+/* The epilogue thread's bias element for tile block vb. */
+template <typename E, int NTILE>
+__device__ __forceinline__ float lin_bias_at(const lin_params &p, int vb) {
+    int row, t;
+    return p.bias && lin_epi_slot<NTILE>(p, vb, &row, &t) ? to_f32(__ldg((const E *)p.bias + row))
+                                                         : 0.0f;
 }
 
 /* Before the wait: the layer's own parameters. */
@@ -139,23 +154,77 @@ template <typename E, int NTILE> __device__ __forceinline__ lin_pre lin_prefetch
         pre.ln_w = __ldg((const uint4 *)((const E *)p.ln_w + k));
         pre.ln_b = __ldg((const uint4 *)((const E *)p.ln_b + k));
     }
-    int row, t;
-    if (p.bias && lin_epi_slot<NTILE>(p, &row, &t)) pre.bias = to_f32(__ldg((const E *)p.bias + row));
+    pre.bias = lin_bias_at<E, NTILE>(p, blockIdx.x);
     return pre;
 }
 
 /* After the wait: the residual this thread's output adds to. */
-template <typename E, int NTILE> __device__ __forceinline__ void lin_load_acc(const lin_params &p, lin_pre *pre) {
+template <typename E, int NTILE>
+__device__ __forceinline__ void lin_load_acc(const lin_params &p, int vb, lin_pre *pre) {
     int row, t;
-    if (p.accumulate && lin_epi_slot<NTILE>(p, &row, &t))
+    if (p.accumulate && lin_epi_slot<NTILE>(p, vb, &row, &t))
         pre->y_old = to_f32(((const E *)p.y)[(size_t)t * p.out + row]);
 }
 
 /* x's T rows into shared memory xs ([T, in_pad] of S, zero past `in`), then
  * the layer norm in place when asked. Ends with the block synchronised. */
+/* The batch-1 decode case of lin_stage_x (16-bit x kept as it is, one
+ * 16-byte piece of the row per thread, the layer norm's parameters
+ * prefetched): each thread keeps its piece in registers, so the row's two
+ * sums take one barrier each and x is written to shared memory once,
+ * already normalised. */
+template <typename E> __device__ void lin_stage_ln_row(const lin_params &p, E *xs, const lin_pre &pre) {
+    constexpr int V = 16 / sizeof(E);
+    __shared__ float part_sum[LIN_WARPS], part_ss[LIN_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int k0 = (int)threadIdx.x * V;
+    const bool mine = k0 < p.in;
+    float f[V];
+    lin_widen(mine ? __ldg((const uint4 *)((const E *)p.x + k0)) : make_uint4(0, 0, 0, 0), f, E());
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < V; j++) sum += f[j];
+    sum = lin_warp_sum(sum);
+    if (lane == 0) part_sum[warp] = sum;
+    __syncthreads();
+    sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < LIN_WARPS; w++) sum += part_sum[w];
+    const float mean = sum / (float)p.in;
+    float ss = 0.0f;
+    if (mine)
+#pragma unroll
+        for (int j = 0; j < V; j++) ss += (f[j] - mean) * (f[j] - mean);
+    ss = lin_warp_sum(ss);
+    if (lane == 0) part_ss[warp] = ss;
+    __syncthreads();
+    ss = 0.0f;
+#pragma unroll
+    for (int w = 0; w < LIN_WARPS; w++) ss += part_ss[w];
+    const float rstd = 1.0f / sqrtf(ss / (float)p.in + p.ln_eps);
+    float fw[V], fb[V];
+    lin_widen(pre.ln_w, fw, E());
+    lin_widen(pre.ln_b, fb, E());
+    E out[V];
+#pragma unroll
+    for (int j = 0; j < V; j++) out[j] = from_f32<E>((f[j] - mean) * rstd * fw[j] + fb[j]);
+    uint4 packed;
+    memcpy(&packed, out, 16);
+    /* pieces past `in` (up to in_pad) are zero, as the MMA loop expects */
+    for (int i = threadIdx.x; i < p.in_pad / V; i += blockDim.x)
+        *(uint4 *)(xs + i * V) = i * V < p.in ? packed : make_uint4(0, 0, 0, 0);
+    __syncthreads();
+}
+
 template <typename E, typename S>
 __device__ void lin_stage_x(const lin_params &p, S *xs, const lin_pre &pre) {
     const E *x = (const E *)p.x;
+    if constexpr (sizeof(S) == sizeof(E)) {
+        if (p.T == 1 && p.vec_x && pre.ln_vec) {
+            lin_stage_ln_row<E>(p, (E *)xs, pre);
+            return;
+        }
+    }
     bool copied = false;
     if constexpr (sizeof(S) == sizeof(E)) {
         if (p.vec_x) { /* 16-byte pieces, no conversion */
@@ -252,10 +321,10 @@ __device__ void lin_stage_x(const lin_params &p, S *xs, const lin_pre &pre) {
 /* red[warp][t * 8 + r]: warp's partial sum for token t, row r of its tile.
  * Adds the warps of each tile in order, then bias, activation, accumulate. */
 template <typename E, int NTILE>
-__device__ void lin_epilogue(const lin_params &p, const float *red, const lin_pre &pre) {
+__device__ void lin_epilogue(const lin_params &p, int vb, const float *red, const lin_pre &pre) {
     constexpr int KS = LIN_WARPS / NTILE;
     int row, t;
-    if (!lin_epi_slot<NTILE>(p, &row, &t)) return;
+    if (!lin_epi_slot<NTILE>(p, vb, &row, &t)) return;
     const int tile = threadIdx.x >> 6, e = threadIdx.x & 63;
     float v = 0.0f;
 #pragma unroll
@@ -305,25 +374,32 @@ __device__ __forceinline__ void lin_mma(float *c, uint32_t a0, uint32_t a2, uint
  * B = W^T, b0/b1 = row g, the same k; D: c0/c1 = token g, rows 2q, 2q+1.
  * Logical k (2q + {0,1}, 2q + 8 + {0,1}) of step s is physical element
  * 8q + 4s + ({0,1}, {2,3}) of the chunk, for A and B alike. */
-template <typename E, int NTILE>
-__global__ void __launch_bounds__(LIN_THREADS, 4) linear_mma_kernel(lin_params p) {
+template <typename E, int NTILE, int UNROLL>
+__global__ void __launch_bounds__(LIN_THREADS, UNROLL > 8 ? 2 : 3) linear_mma_kernel(lin_params p) {
     constexpr int KS = LIN_WARPS / NTILE; /* warps sharing one tile's k range */
     extern __shared__ uint4 lin_dyn[];
     __shared__ float red[LIN_WARPS * 64];
     E *xs = (E *)lin_dyn;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, q = lane & 3, tile = warp / KS, kw = warp % KS;
-    const int row = (blockIdx.x * NTILE + tile) * 8 + g;
     const int n_chunks = (p.in + 31) / 32;
     const int mine = kw < n_chunks ? (n_chunks - kw + KS - 1) / KS : 0; /* chunks kw, kw+KS.. */
-    const bool row_ok = row < p.out;
-    const E *wrow = (const E *)p.w + (size_t)(row_ok ? row : 0) * p.in + q * 8;
     const int kmax = p.in - q * 8; /* in % 8 == 0 here: k < kmax means all 8 are inside */
+    /* Tile block vb: this lane's row of W (see the grid in lin_small). */
+    int vb = blockIdx.x;
+    bool row_ok = false;
+    const E *wrow = NULL;
+    auto set_tiles = [&](int b) {
+        const int row = (b * NTILE + tile) * 8 + g;
+        row_ok = row < p.out;
+        wrow = (const E *)p.w + (size_t)(row_ok ? row : 0) * p.in + q * 8;
+    };
+    set_tiles(vb);
 
-    uint4 wv[LIN_UNROLL_MMA];
+    uint4 wv[UNROLL];
     auto load_w = [&](int i0) {
 #pragma unroll
-        for (int u = 0; u < LIN_UNROLL_MMA; u++) {
+        for (int u = 0; u < UNROLL; u++) {
             const int k = (kw + KS * (i0 + u)) * 32;
             wv[u] = row_ok && i0 + u < mine && k < kmax ? __ldg((const uint4 *)(wrow + k))
                                                         : make_uint4(0, 0, 0, 0);
@@ -333,27 +409,38 @@ __global__ void __launch_bounds__(LIN_THREADS, 4) linear_mma_kernel(lin_params p
     load_w(0); /* in flight while the previous kernel ends and x is staged */
     lin_pre pre = lin_prefetch<E, NTILE>(p);
     pdl_wait();
-    lin_load_acc<E, NTILE>(p, &pre);
+    lin_load_acc<E, NTILE>(p, vb, &pre);
     lin_stage_x<E, E>(p, xs, pre);
 
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const E *xrow = xs + (size_t)g * p.in_pad + q * 8;
     const bool tok_ok = g < p.T;
-    for (int i0 = 0; i0 < mine; i0 += LIN_UNROLL_MMA) {
-        if (i0) load_w(i0);
+    for (;;) {
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int i0 = 0; i0 < mine; i0 += UNROLL) {
+            if (i0) load_w(i0);
 #pragma unroll
-        for (int u = 0; u < LIN_UNROLL_MMA; u++) {
-            if (i0 + u >= mine) break;
-            const int k = (kw + KS * (i0 + u)) * 32;
-            const uint4 xv = tok_ok ? *(const uint4 *)(xrow + k) : make_uint4(0, 0, 0, 0);
-            lin_mma(c, xv.x, xv.y, wv[u].x, wv[u].y, E());
-            lin_mma(c, xv.z, xv.w, wv[u].z, wv[u].w, E());
+            for (int u = 0; u < UNROLL; u++) {
+                if (i0 + u >= mine) break;
+                const int k = (kw + KS * (i0 + u)) * 32;
+                const uint4 xv = tok_ok ? *(const uint4 *)(xrow + k) : make_uint4(0, 0, 0, 0);
+                lin_mma(c, xv.x, xv.y, wv[u].x, wv[u].y, E());
+                lin_mma(c, xv.z, xv.w, wv[u].z, wv[u].w, E());
+            }
         }
+        red[warp * 64 + lane * 2] = c[0]; /* token g, rows 2q and 2q + 1: index g * 8 + 2q */
+        red[warp * 64 + lane * 2 + 1] = c[1];
+        __syncthreads();
+        lin_epilogue<E, NTILE>(p, vb, red, pre);
+        /* The next tile block, if the grid is smaller than the tiles (the
+         * LM head): x stays staged and normalised, only W moves on. */
+        vb += gridDim.x;
+        if (vb >= p.n_vblocks) break;
+        set_tiles(vb);
+        load_w(0);
+        pre.bias = lin_bias_at<E, NTILE>(p, vb);
+        lin_load_acc<E, NTILE>(p, vb, &pre);
+        __syncthreads(); /* red is rewritten only after every epilogue read it */
     }
-    red[warp * 64 + lane * 2] = c[0]; /* token g, rows 2q and 2q + 1: index g * 8 + 2q */
-    red[warp * 64 + lane * 2 + 1] = c[1];
-    __syncthreads();
-    lin_epilogue<E, NTILE>(p, red, pre);
 }
 
 /* ---- fp32 (and unaligned 16-bit rows): CUDA-core FMAs ----
@@ -397,7 +484,7 @@ __global__ void __launch_bounds__(LIN_THREADS) linear_simt_kernel(lin_params p) 
     load_w(0);
     lin_pre pre = lin_prefetch<E, NTILE>(p);
     pdl_wait();
-    lin_load_acc<E, NTILE>(p, &pre);
+    lin_load_acc<E, NTILE>(p, blockIdx.x, &pre);
     lin_stage_x<E, float>(p, xs, pre);
 
     float acc[LIN_MAX_T];
@@ -435,22 +522,25 @@ __global__ void __launch_bounds__(LIN_THREADS) linear_simt_kernel(lin_params p) 
         if (t < p.T && (t & 3) == q) red[warp * 64 + t * 8 + g] = acc[t];
     }
     __syncthreads();
-    lin_epilogue<E, NTILE>(p, red, pre);
+    lin_epilogue<E, NTILE>(p, blockIdx.x, red, pre);
 }
 
 /* ---- host side ---- */
 
-template <typename E, int NTILE> static void *lin_kernel(bool mma) {
+template <typename E, int NTILE> static void *lin_kernel(bool mma, bool long_rows) {
     if constexpr (sizeof(E) == 2)
-        if (mma) return (void *)linear_mma_kernel<E, NTILE>;
+        if (mma)
+            return long_rows ? (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA_LONG>
+                             : (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA>;
+    (void)long_rows;
     return (void *)linear_simt_kernel<E, NTILE>;
 }
 
-static void *lin_kernel_for(pd_dtype dt, bool mma, int ntile) {
+static void *lin_kernel_for(pd_dtype dt, bool mma, int ntile, bool long_rows) {
     CUDA_DISPATCH(dt, E,
-                  return ntile == 4   ? lin_kernel<E, 4>(mma)
-                         : ntile == 2 ? lin_kernel<E, 2>(mma)
-                                      : lin_kernel<E, 1>(mma))
+                  return ntile == 4   ? lin_kernel<E, 4>(mma, long_rows)
+                         : ntile == 2 ? lin_kernel<E, 2>(mma, long_rows)
+                                      : lin_kernel<E, 1>(mma, long_rows))
     return NULL;
 }
 
@@ -470,12 +560,13 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
     const pd_dtype dts[] = {PD_F32, PD_F16, PD_BF16};
     for (int d = 0; d < 3; d++)
         for (int mma = 0; mma < 2; mma++)
-            for (int ntile = 1; ntile <= 4; ntile *= 2) {
-                e = cudaFuncSetAttribute(lin_kernel_for(dts[d], mma, ntile),
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)env->smem_max);
-                if (e != cudaSuccess) return e;
-            }
+            for (int ntile = 1; ntile <= 4; ntile *= 2)
+                for (int long_rows = 0; long_rows < 2; long_rows++) {
+                    e = cudaFuncSetAttribute(lin_kernel_for(dts[d], mma, ntile, long_rows),
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)env->smem_max);
+                    if (e != cudaSuccess) return e;
+                }
     return cudaSuccess;
 }
 
@@ -508,8 +599,16 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     if ((p.out + 7) / 8 >= 32 * env->sm_count) ntile = 4;
     while (ntile > 1 && (p.out + 8 * ntile - 1) / (8 * ntile) < env->sm_count)
         ntile /= 2;
-    const unsigned blocks = (unsigned)((p.out + 8 * ntile - 1) / (8 * ntile));
-    void *k = lin_kernel_for(dt, mma, ntile);
+    p.n_vblocks = (p.out + 8 * ntile - 1) / (8 * ntile);
+    /* The MMA kernel loops over tile blocks, so a grid of what fits on the
+     * device at once (its launch bounds) does a long output (the LM head:
+     * 1,571 tile blocks) in one pass, each block staging and normalising x
+     * once instead of once per tile block. */
+    const int chunks_per_warp = ((p.in + 31) / 32 + LIN_WARPS / ntile - 1) / (LIN_WARPS / ntile);
+    const bool long_rows = chunks_per_warp > LIN_UNROLL_MMA && chunks_per_warp <= LIN_UNROLL_MMA_LONG;
+    const int resident = mma ? (long_rows ? 2 : 3) * env->sm_count : p.n_vblocks;
+    const unsigned blocks = (unsigned)(p.n_vblocks < resident ? p.n_vblocks : resident);
+    void *k = lin_kernel_for(dt, mma, ntile, long_rows);
     void *args[] = {&p};
     cudaLaunchAttribute attr = {};
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -391,6 +391,31 @@ static void attention_case_w(const pair *p, const char *set, const attn_seq *seq
         compare(p, "k cache after kv_write + attention", dk[0], dk[1], cache_n);
         compare(p, "v cache after kv_write + attention", dv[0], dv[1], cache_n);
     }
+    if (time_iters < 0) { /* -n: n calls captured into one CUDA graph, as a decode step runs */
+        pd_backend *g = p->gpu;
+        pd_err err;
+        void *graph = NULL;
+        const int calls = -time_iters, reps = 10;
+        int ok = g->graph_begin(g, &err) == 0;
+        for (int k = 0; ok && k < calls; k++) {
+            if (write_new)
+                g->kv_write(g, dk[1], dv[1], (char *)dq[1] + row * g->elem_size,
+                            (char *)dq[1] + 2 * row * g->elem_size, q_stride, &m[1], (int)row);
+            g->paged_attention(g, dout[1], dq[1], q_stride, dk[1], dv[1], &m[1], heads, hd, bs,
+                               scale);
+        }
+        ok = ok && g->graph_end(g, &graph, &err) == 0 && g->graph_launch(g, graph, &err) == 0 &&
+             g->sync(g, &err) == 0;
+        const double t0 = pd_now();
+        for (int r = 0; ok && r < reps; r++)
+            ok = g->graph_launch(g, graph, &err) == 0;
+        ok = ok && g->sync(g, &err) == 0;
+        CHECKF(ok, "%s: graph timing: %s", what, err.msg);
+        if (ok)
+            printf("%s: %s: %.2f us a call in a CUDA graph (mean of %d)\n", p->variant, what,
+                   (pd_now() - t0) * 1e6 / (reps * calls), reps * calls);
+        if (graph) g->graph_free(g, graph);
+    }
     if (time_iters > 0) {
         pd_backend *g = p->gpu;
         const double t0 = pd_now();
@@ -446,6 +471,11 @@ static void test_attention(const pair *p) {
         big[s] = (attn_seq){64 + (s * 53) % 900, 1};
     attention_case_w(p, "decode batch 256", big, 256, 16, 12, 64, 0, 1);
     attention_case(p, "decode batch 256", big, 256, 16, 12, 64, 20);
+    /* Batch-1 decode of opt-125m (12 heads x 64) at two contexts, the fused
+     * write included, timed in a graph (printed, not asserted). */
+    const attn_seq one_short[] = {{199, 1}}, one_long[] = {{1999, 1}};
+    attention_case_w(p, "decode batch 1", one_short, 1, 16, 12, 64, -64, 1);
+    attention_case_w(p, "decode batch 1", one_long, 1, 16, 12, 64, -64, 1);
 }
 
 /* ---- linear: the fused op against the CPU ops one at a time ---- */
@@ -533,9 +563,12 @@ static void linear_case(const pair *p, int T, int in, int out, int fuse, int ln_
 
 static void test_linear(const pair *p) {
     /* T on both sides of the single-kernel limit (8); OPT-125m's shapes and
-     * odd ones (rows that are no multiple of 16 bytes: the scalar paths). */
+     * odd ones (rows that are no multiple of 16 bytes: the scalar paths);
+     * a long output (more tile blocks than the grid, as the LM head: the
+     * small-T kernel's blocks then do several each). */
     const int Ts[] = {1, 2, 3, 8, 9, 64, 300};
-    const int shapes[][2] = {{768, 2304}, {768, 3072}, {3072, 768}, {80, 200}, {83, 37}, {5, 9}};
+    const int shapes[][2] = {{768, 2304}, {768, 3072}, {3072, 768}, {80, 200},
+                             {83, 37},    {5, 9},      {64, 13001}};
     int k = 0;
     for (size_t a = 0; a < sizeof Ts / sizeof Ts[0]; a++)
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
@@ -585,13 +618,14 @@ static void timed_run(const timed_linear *tl, int fused) {
                               .accumulate = (tl->fuse & LIN_ACC) != 0,
                               .acc_tmp = tl->d.tmp};
     const size_t wbytes = (size_t)tl->in * tl->out * tl->be->elem_size;
+    const void *bias = tl->fuse & LIN_BIAS ? tl->d.bias : NULL;
     for (int i = 0; i < TIME_CALLS; i++) {
         const void *w = tl->w_copies + (size_t)(i % tl->n_copies) * wbytes;
         if (fused)
-            tl->be->linear(tl->be, tl->d.y, tl->d.x, tl->in, w, tl->d.bias, tl->T, tl->in, tl->out,
+            tl->be->linear(tl->be, tl->d.y, tl->d.x, tl->in, w, bias, tl->T, tl->in, tl->out,
                            &f);
         else
-            ref_linear(tl->be, tl->d.y, tl->d.x, tl->in, w, tl->d.bias, tl->T, tl->in, tl->out, &f);
+            ref_linear(tl->be, tl->d.y, tl->d.x, tl->in, w, bias, tl->T, tl->in, tl->out, &f);
     }
 }
 
@@ -629,7 +663,8 @@ static void time_linear(const char *variant) {
                              {3072, 768, LIN_ACC | LIN_BIAS},
                              {2048, 6144, LIN_LN | LIN_BIAS},
                              {2048, 8192, LIN_LN | LIN_ACT | LIN_BIAS},
-                             {8192, 2048, LIN_ACC | LIN_BIAS}};
+                             {8192, 2048, LIN_ACC | LIN_BIAS},
+                             {768, 50272, LIN_LN}}; /* opt-125m's lm_head with the final LN */
     const int Ts[] = {1, 4, 8};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (size_t a = 0; a < sizeof Ts / sizeof Ts[0]; a++) {
@@ -664,6 +699,7 @@ static void time_linear(const char *variant) {
                    variant, tl.T, tl.in, tl.out,
                    tl.fuse == (LIN_LN | LIN_BIAS)             ? "ln+bias"
                    : tl.fuse == (LIN_LN | LIN_ACT | LIN_BIAS) ? "ln+relu+bias"
+                   : tl.fuse == LIN_LN                        ? "ln"
                                                               : "acc+bias",
                    fused, wbytes / (fused * 1e3), plain, wbytes / (plain * 1e3));
             CHECKF(be->sync(be, &err) == 0, "%s", err.msg);
