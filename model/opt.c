@@ -841,6 +841,21 @@ int opt_model_graph_stats(const opt_model *m, int *captures, int *replays) {
     return m->g.enabled;
 }
 
+int opt_model_time_graph(opt_model *m, int n_seqs, int reps, double *seconds, pd_err *err) {
+    opt_graphs *g = &m->g;
+    if (!g->enabled || n_seqs < 1 || n_seqs > g->max_batch || reps < 1 || g->replays == 0)
+        return pd_fail(err, "opt graphs: no decode graph step of batch %d has run", n_seqs);
+    void *exec = g->exec[graph_index_for(n_seqs)];
+    if (!exec) return pd_fail(err, "opt graphs: batch %d has no recording", n_seqs);
+    if (m->be->sync(m->be, err) != 0) return -1;
+    const double t0 = pd_now();
+    for (int r = 0; r < reps; r++)
+        if (m->be->graph_launch(m->be, exec, err) != 0) return -1;
+    if (m->be->sync(m->be, err) != 0) return -1;
+    *seconds = (pd_now() - t0) / reps;
+    return 0;
+}
+
 /* A pure decode step (one new token per sequence, all wanting logits) that
  * fits a recording. */
 static bool graph_step_fits(const opt_model *m, const opt_seq_step *seqs, int n_seqs) {

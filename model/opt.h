@@ -80,5 +80,12 @@ int opt_model_set_graphs(opt_model *m, bool enable, int max_batch, pd_err *err);
 int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, int *recorded, pd_err *err);
 /* Graphs recorded and replayed so far; returns whether graphs are on. */
 int opt_model_graph_stats(const opt_model *m, int *captures, int *replays);
+/* For benchmarks: replays the decode graph of n_seqs sequences reps times
+ * back to back on the last graph step's metadata (so each replay redoes
+ * that step: same positions, same KV slots), then waits. *seconds per
+ * replay is the device's time for a decode step without the host's share
+ * (metadata, launch, reading the ids back). Fails when no graph step of
+ * that size has run yet. */
+int opt_model_time_graph(opt_model *m, int n_seqs, int reps, double *seconds, pd_err *err);
 
 #endif

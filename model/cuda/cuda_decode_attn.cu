@@ -212,6 +212,31 @@ __device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part
     *sum_out = sum;
 }
 
+/* The groups' partial outputs added up per dim: Q = DEC_THREADS / head_dim
+ * threads on each dim (neighbouring lanes) each add a run of groups/Q in
+ * order, then butterfly shuffles add the Q runs (the same total on every
+ * lane: each step adds two values, which commutes); one thread per dim
+ * when head_dim does not split the block so. Returns the sum, with *dim
+ * the dim this thread writes out (-1: none). Every thread must call it. */
+__device__ __forceinline__ float dec_group_sum(const float *acc_part, int groups, int head_dim,
+                                               int *dim) {
+    const int Q = DEC_THREADS / head_dim;
+    const bool split = DEC_THREADS % head_dim == 0 && Q <= 32 && (Q & (Q - 1)) == 0 &&
+                       groups % Q == 0;
+    float o = 0.0f;
+    if (!split) {
+        *dim = (int)threadIdx.x < head_dim ? (int)threadIdx.x : -1;
+        if (*dim >= 0)
+            for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + *dim];
+        return o;
+    }
+    const int d = (int)threadIdx.x / Q, j = (int)threadIdx.x % Q, run = groups / Q;
+    for (int i = j * run; i < (j + 1) * run; i++) o += acc_part[i * head_dim + d];
+    for (int w = 1; w < Q; w <<= 1) o += __shfl_xor_sync(0xffffffffu, o, w);
+    *dim = j == 0 ? d : -1;
+    return o;
+}
+
 /* Grid (items, slots): block (item, y) does the item's parts y, y + slots,
  * y + 2 slots, ... Many items (a large batch) take one slot, so no block
  * is launched for a part that a short context does not have; few items
@@ -290,18 +315,15 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
         decode_one_part<T>(qs, acc_part, e, red, v_cache, k_cache, table, row, h, head_dim,
                            block_size, p0, p1, pre, &mx, &sum);
         pre.on = false; /* only the first part was prefetched */
-        /* The groups' sums in group order (head_dim <= DEC_THREADS). */
-        float o = 0.0f;
-        if (threadIdx.x < head_dim)
-            for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + threadIdx.x];
+        int dim;
+        const float o = dec_group_sum(acc_part, groups, head_dim, &dim);
         if (n_ctx <= DEC_PART) { /* the only part: the output itself */
-            if (threadIdx.x < head_dim)
-                out[(size_t)t * row + (size_t)h * head_dim + threadIdx.x] = from_f32<T>(o / sum);
+            if (dim >= 0) out[(size_t)t * row + (size_t)h * head_dim + dim] = from_f32<T>(o / sum);
             return;
         }
         const size_t at = (size_t)item * n_parts + part_i;
-        if (threadIdx.x < head_dim) {
-            part_o[at * head_dim + threadIdx.x] = o;
+        if (dim >= 0) {
+            part_o[at * head_dim + dim] = o;
             if (threadIdx.x == 0) {
                 part_ml[2 * at] = mx;
                 part_ml[2 * at + 1] = sum;
