@@ -366,6 +366,12 @@ cudaError_t cuda_decode_attention_init(void) {
     if (e == cudaSuccess)
         e = cudaFuncSetAttribute(decode_part_kernel<__nv_bfloat16, true>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    const void *kernels[] = {(const void *)decode_part_kernel<float, false>,
+                             (const void *)decode_part_kernel<__half, false>,
+                             (const void *)decode_part_kernel<__nv_bfloat16, false>,
+                             (const void *)decode_part_kernel<__half, true>,
+                             (const void *)decode_part_kernel<__nv_bfloat16, true>};
+    for (int i = 0; i < 5 && e == cudaSuccess; i++) e = cuda_set_carveout(kernels[i]);
     return e;
 }
 

@@ -81,6 +81,20 @@ __device__ __forceinline__ void pdl_wait(void) {
 #endif
 }
 
+/* One shared-memory carveout for the kernels of a decode step. An SM
+ * changes its split between L1 and shared memory only when it is idle, so
+ * a chain of kernels that the driver would give different splits (the
+ * linears need little shared memory, the prefetching decode attention
+ * 73 KiB a block) cannot overlap under PDL; one preference for all of them
+ * (PDSERVE_CUDA_CARVEOUT percent, default 100: the most shared memory; -1:
+ * the driver's choice) keeps it. */
+static inline cudaError_t cuda_set_carveout(const void *kernel) {
+    const char *env = getenv("PDSERVE_CUDA_CARVEOUT");
+    const int pct = env && *env ? atoi(env) : 100;
+    if (pct < 0 || pct > 100) return cudaSuccess;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct);
+}
+
 /* Run the statement(s) with T bound to the C++ type of pd_dtype dt. */
 #define CUDA_DISPATCH(dt, T, ...)                                                                  \
     switch (dt) {                                                                                  \

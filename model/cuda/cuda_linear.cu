@@ -562,9 +562,10 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
         for (int mma = 0; mma < 2; mma++)
             for (int ntile = 1; ntile <= 4; ntile *= 2)
                 for (int long_rows = 0; long_rows < 2; long_rows++) {
-                    e = cudaFuncSetAttribute(lin_kernel_for(dts[d], mma, ntile, long_rows),
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
+                    void *k = lin_kernel_for(dts[d], mma, ntile, long_rows);
+                    e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)env->smem_max);
+                    if (e == cudaSuccess) e = cuda_set_carveout(k);
                     if (e != cudaSuccess) return e;
                 }
     return cudaSuccess;
