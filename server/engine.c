@@ -397,23 +397,15 @@ static void engine_admit_inbox(engine *e, engine_seq *list) {
     }
 }
 
-/* finishing: sequences of the running set that are about to be finished
- * (their clients woken right after this), counted as no longer running so
- * that a client reading /metrics after its response never sees itself. */
-static void engine_publish_stats_ex(engine *e, int finishing) {
+static void engine_publish_stats(engine *e) {
     engine_stats st = e->work;
     scheduler_counts(e->sched, &st.running, &st.waiting);
-    st.running = st.running > finishing ? st.running - finishing : 0;
     st.total_blocks = kv_pool_num_blocks(e->pool);
     st.free_blocks = kv_pool_num_free(e->pool);
     st.kv_usage = st.total_blocks ? 1.0 - (double)st.free_blocks / st.total_blocks : 0;
     pthread_mutex_lock(&e->mu);
     e->stats = st;
     pthread_mutex_unlock(&e->mu);
-}
-
-static void engine_publish_stats(engine *e) {
-    engine_publish_stats_ex(e, 0);
 }
 
 /* Grow the per-row step outputs (logits, device picks, sampling
@@ -499,9 +491,8 @@ static void engine_step(engine *e, sched_batch *b) {
         }
     }
     /* Counters first, then wake the consumers: a client that reads /metrics
-     * right after its response must see its own tokens counted, and itself
-     * no longer running. */
-    engine_publish_stats_ex(e, n_finished);
+     * right after its response must see its own tokens counted. */
+    engine_publish_stats(e);
     for (int i = 0; i < n_finished; i++)
         scheduler_finish(e->sched, b->seqs[i], b->finish[i], b->finish[i] == FINISH_ERROR ? "out of memory while sampling" : NULL);
 }
