@@ -64,6 +64,10 @@ typedef struct pd_linear_fuse {
     pd_activation act;
     int accumulate;
     void *acc_tmp; /* [T, out] scratch for the result before it is added; needed with accumulate */
+    /* [T]: also each row's argmax of y, the argmax op's rule (the lowest
+     * index of the largest value, NaN never picked, 0 for a row of NaN).
+     * Only for a backend with linear_argmax set; NULL: none. */
+    int32_t *argmax;
 } pd_linear_fuse;
 
 typedef struct pd_backend pd_backend;
@@ -109,6 +113,9 @@ struct pd_backend {
      * scratch buffers. */
     void (*linear)(pd_backend *be, void *y, const void *x, int x_stride, const void *w,
                    const void *bias, int T, int in, int out, const pd_linear_fuse *f);
+    /* linear honours pd_linear_fuse.argmax (the LM head picks its greedy
+     * ids in the same kernel, one launch less a step). */
+    int linear_argmax;
     /* y = (x - mean) / sqrt(var + eps) (* w + b when w != NULL), per row,
      * fp32 reductions. y may equal x. */
     void (*layer_norm)(pd_backend *be, void *y, const void *x, const void *w, const void *b,

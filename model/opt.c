@@ -716,14 +716,19 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
                                      .ln_b = m->final_ln_b,
                                      .ln_eps = OPT_LN_EPS,
                                      .ln_out = s->last};
-    const pd_linear_fuse plain = {0};
+    /* The greedy pick in the LM head's own kernel where the backend can. */
+    const bool pick_in_head = be->argmax && be->linear && be->linear_argmax;
+    pd_linear_fuse head = {0}; /* the LM head's fusions, and its input */
+    const void *head_in = s->last_w;
     if (m->has_proj) {
         linear(be, s->last_w, last_in, h, m->project_out, NULL, n_logits, h, wd, &final_ln);
-        linear(be, s->logits, s->last_w, wd, m->lm_head, NULL, n_logits, wd, c->vocab_size, &plain);
-    } else {
-        linear(be, s->logits, last_in, h, m->lm_head, NULL, n_logits, wd, c->vocab_size, &final_ln);
+    } else { /* wd == h */
+        head = final_ln;
+        head_in = last_in;
     }
-    if (be->argmax) be->argmax(be, s->ids, s->logits, n_logits, c->vocab_size);
+    head.argmax = pick_in_head ? s->ids : NULL;
+    linear(be, s->logits, head_in, wd, m->lm_head, NULL, n_logits, wd, c->vocab_size, &head);
+    if (be->argmax && !pick_in_head) be->argmax(be, s->ids, s->logits, n_logits, c->vocab_size);
 }
 
 /* Copy the step's results out: logits rows and/or picks (greedy, or drawn

@@ -650,6 +650,7 @@ static void cu_destroy(pd_backend *be) {
         if (c->stage) cudaFree(c->stage);
         if (c->f32) cudaFree(c->f32);
         if (c->lin.lt) cublasLtDestroy(c->lin.lt);
+        cuda_linear_free(&c->lin);
         if (c->blas) cublasDestroy(c->blas);
         if (c->blas_ws) cudaFree(c->blas_ws);
         if (c->attn_work) cudaFree(c->attn_work);
@@ -807,6 +808,7 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->bytes_allocated = cu_bytes_allocated;
     be->gemm = cu_gemm;
     be->linear = cu_linear;
+    be->linear_argmax = 1;
     be->layer_norm = cu_layer_norm;
     be->activation = cu_activation;
     be->add = cu_add;

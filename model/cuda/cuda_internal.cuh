@@ -244,12 +244,18 @@ typedef struct cuda_linear_env {
     size_t smem_max; /* dynamic shared memory the small-T kernels may ask for */
     int lt_next;     /* next cache slot to replace */
     cuda_lt_entry lt_cache[CUDA_LT_CACHE];
+    /* The fused argmax's per-block bests ([am_blocks][8] each) and its
+     * finished-block counter (kept zeroed); owned here, cuda_linear_free. */
+    float *am_v;
+    int *am_i, *am_counter;
+    int am_blocks;
 } cuda_linear_env;
 
-/* Lift the kernels' dynamic shared memory limit (once, at backend creation;
- * not a stream operation, but better kept out of graph captures). Fills
- * env->smem_max. */
+/* Lift the kernels' dynamic shared memory limit and allocate the fused
+ * argmax's buffers (once, at backend creation; not stream operations,
+ * better kept out of graph captures). Fills env->smem_max. */
 cudaError_t cuda_linear_init(cuda_linear_env *env, int device);
+void cuda_linear_free(cuda_linear_env *env);
 /* backend.h `linear` on env->stream. Returns 0, or -1 with a message in msg
  * (a cuBLAS failure); launch errors are left for cudaGetLastError. */
 int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x_stride,

@@ -68,6 +68,9 @@ struct lin_params {
     int vec_x, vec_w; /* x rows / W rows may be read in 16-byte pieces */
     int vec_ln;       /* ln_w, ln_b may be read in 16-byte pieces */
     int n_vblocks;    /* tile blocks (NTILE tiles of 8 rows each) covering out */
+    int32_t *argmax;  /* [T] each row's argmax too (MMA kernel only), or NULL */
+    float *am_v;      /* [gridDim.x][LIN_MAX_T] per-block bests (see lin_argmax_*) */
+    int *am_i, *am_counter;
     pd_activation act;
 };
 
@@ -321,7 +324,8 @@ __device__ void lin_stage_x(const lin_params &p, S *xs, const lin_pre &pre) {
 /* red[warp][t * 8 + r]: warp's partial sum for token t, row r of its tile.
  * Adds the warps of each tile in order, then bias, activation, accumulate. */
 template <typename E, int NTILE>
-__device__ void lin_epilogue(const lin_params &p, int vb, const float *red, const lin_pre &pre) {
+__device__ void lin_epilogue(const lin_params &p, int vb, const float *red, const lin_pre &pre,
+                             float *am_vals = NULL) {
     constexpr int KS = LIN_WARPS / NTILE;
     int row, t;
     if (!lin_epi_slot<NTILE>(p, vb, &row, &t)) return;
@@ -338,7 +342,72 @@ __device__ void lin_epilogue(const lin_params &p, int vb, const float *red, cons
      * one rounding less would differ from them by an ulp now and then, and
      * at a near tie that is a different greedy token. */
     if (p.accumulate) v = to_f32(from_f32<E>(v)) + pre.y_old;
-    *y = from_f32<E>(v);
+    const E stored = from_f32<E>(v);
+    *y = stored;
+    /* The argmax sees the stored value, as the argmax op reading y would. */
+    if (am_vals) am_vals[t * 32 + (threadIdx.x >> 6) * 8 + (threadIdx.x & 7)] = to_f32(stored);
+}
+
+/* ---- the fused argmax (the LM head) ----
+ * The argmax op's rule (cuda_sample.cu): a (value, index) best, index n
+ * meaning none; a value is taken when greater, or equal at a lower index;
+ * NaN is never taken. That order is total, so blocks may meet their rows in
+ * any order and the bests may be merged in any order: the result is the
+ * argmax op's. */
+__device__ __forceinline__ void lin_am_take(float &v, int &idx, float ov, int oi, int n) {
+    if (oi < n && (idx == n || ov > v || (ov == v && oi < idx))) v = ov, idx = oi;
+}
+__device__ __forceinline__ void lin_am_warp(float &v, int &idx, int n) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        lin_am_take(v, idx, ov, oi, n);
+    }
+}
+
+/* Warp t (< T) folds tile block vb's values of token t (am_vals[t][l], l <
+ * NTILE * 8: row (vb * NTILE + l / 8) * 8 + l % 8) into its best (lane 0's). */
+template <int NTILE>
+__device__ __forceinline__ void lin_am_fold(const lin_params &p, int vb, const float *am_vals,
+                                            float &best_v, int &best_i) {
+    const int lane = threadIdx.x & 31, t = threadIdx.x >> 5;
+    if (t >= p.T) return;
+    float v = -INFINITY;
+    int idx = p.out;
+    const int row = (vb * NTILE + lane / 8) * 8 + lane % 8;
+    if (lane < NTILE * 8 && row < p.out) {
+        const float f = am_vals[t * 32 + lane];
+        if (f > v || f == v) v = f, idx = row; /* not NaN */
+    }
+    lin_am_warp(v, idx, p.out);
+    if (lane == 0) lin_am_take(best_v, best_i, v, idx, p.out);
+}
+
+/* After the block's last tile block: publish its bests; the last block to
+ * finish merges every block's and writes the ids (0 for a row of NaN). */
+__device__ void lin_am_finish(const lin_params &p, float best_v, int best_i) {
+    __shared__ int am_last;
+    const int lane = threadIdx.x & 31, t = threadIdx.x >> 5;
+    if (t < p.T && lane == 0) {
+        p.am_v[blockIdx.x * LIN_MAX_T + t] = best_v;
+        p.am_i[blockIdx.x * LIN_MAX_T + t] = best_i;
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        am_last = atomicAdd(p.am_counter, 1) == (int)gridDim.x - 1;
+        if (am_last) *p.am_counter = 0; /* ready for the next call */
+    }
+    __syncthreads();
+    if (!am_last || t >= p.T) return;
+    __threadfence(); /* the other blocks' bests, through L2 (__ldcg) */
+    float v = -INFINITY;
+    int idx = p.out;
+    for (int b = lane; b < (int)gridDim.x; b += 32)
+        lin_am_take(v, idx, __ldcg(&p.am_v[b * LIN_MAX_T + t]), __ldcg(&p.am_i[b * LIN_MAX_T + t]),
+                    p.out);
+    lin_am_warp(v, idx, p.out);
+    if (lane == 0) p.argmax[t] = idx < p.out ? idx : 0;
 }
 
 /* ---- fp16 / bf16: tensor-core MMA ---- */
@@ -414,6 +483,9 @@ __global__ void __launch_bounds__(LIN_THREADS, UNROLL > 8 ? 2 : 3) linear_mma_ke
 
     const E *xrow = xs + (size_t)g * p.in_pad + q * 8;
     const bool tok_ok = g < p.T;
+    __shared__ float am_vals[LIN_MAX_T * 32]; /* the fused argmax's values of one tile block */
+    float best_v = -INFINITY;
+    int best_i = p.out;
     for (;;) {
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int i0 = 0; i0 < mine; i0 += UNROLL) {
@@ -430,11 +502,18 @@ __global__ void __launch_bounds__(LIN_THREADS, UNROLL > 8 ? 2 : 3) linear_mma_ke
         red[warp * 64 + lane * 2] = c[0]; /* token g, rows 2q and 2q + 1: index g * 8 + 2q */
         red[warp * 64 + lane * 2 + 1] = c[1];
         __syncthreads();
-        lin_epilogue<E, NTILE>(p, vb, red, pre);
+        lin_epilogue<E, NTILE>(p, vb, red, pre, p.argmax ? am_vals : NULL);
+        if (p.argmax) {
+            __syncthreads();
+            lin_am_fold<NTILE>(p, vb, am_vals, best_v, best_i);
+        }
         /* The next tile block, if the grid is smaller than the tiles (the
          * LM head): x stays staged and normalised, only W moves on. */
         vb += gridDim.x;
-        if (vb >= p.n_vblocks) break;
+        if (vb >= p.n_vblocks) {
+            if (p.argmax) lin_am_finish(p, best_v, best_i);
+            break;
+        }
         set_tiles(vb);
         load_w(0);
         pre.bias = lin_bias_at<E, NTILE>(p, vb);
@@ -557,6 +636,14 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
     env->pdl = major >= 9 && !(pdl && strcmp(pdl, "0") == 0);
     /* The kernels' static shared memory (the partial sums) comes off the top. */
     env->smem_max = (size_t)optin > 4096 ? (size_t)optin - 4096 : 0;
+    /* The grid of the MMA kernel is at most 3 blocks an SM (lin_small). */
+    env->am_blocks = 3 * env->sm_count;
+    e = cudaMalloc((void **)&env->am_v, sizeof(float) * LIN_MAX_T * env->am_blocks);
+    if (e == cudaSuccess)
+        e = cudaMalloc((void **)&env->am_i, sizeof(int) * LIN_MAX_T * env->am_blocks);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&env->am_counter, sizeof(int));
+    if (e == cudaSuccess) e = cudaMemset(env->am_counter, 0, sizeof(int));
+    if (e != cudaSuccess) return e;
     const pd_dtype dts[] = {PD_F32, PD_F16, PD_BF16};
     for (int d = 0; d < 3; d++)
         for (int mma = 0; mma < 2; mma++)
@@ -569,6 +656,13 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
                     if (e != cudaSuccess) return e;
                 }
     return cudaSuccess;
+}
+
+void cuda_linear_free(cuda_linear_env *env) {
+    if (env->am_v) cudaFree(env->am_v);
+    if (env->am_i) cudaFree(env->am_i);
+    if (env->am_counter) cudaFree(env->am_counter);
+    env->am_v = NULL, env->am_i = NULL, env->am_counter = NULL;
 }
 
 static int lin_aligned16(const void *p) {
@@ -609,6 +703,14 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     const bool long_rows = chunks_per_warp > LIN_UNROLL_MMA && chunks_per_warp <= LIN_UNROLL_MMA_LONG;
     const int resident = mma ? (long_rows ? 2 : 3) * env->sm_count : p.n_vblocks;
     const unsigned blocks = (unsigned)(p.n_vblocks < resident ? p.n_vblocks : resident);
+    /* The argmax rides in the MMA kernel; the FMA kernel's rows get the
+     * argmax op after it. */
+    int32_t *argmax_after = NULL;
+    if (p.argmax && (!mma || (int)blocks > env->am_blocks)) {
+        argmax_after = p.argmax;
+        p.argmax = NULL;
+    }
+    p.am_v = env->am_v, p.am_i = env->am_i, p.am_counter = env->am_counter;
     void *k = lin_kernel_for(dt, mma, ntile, long_rows);
     void *args[] = {&p};
     cudaLaunchAttribute attr = {};
@@ -622,6 +724,7 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     cfg.attrs = &attr;
     cfg.numAttrs = env->pdl ? 1 : 0;
     cudaLaunchKernelExC(&cfg, k, args); /* errors: cudaGetLastError */
+    if (argmax_after) cuda_argmax(env->stream, dt, argmax_after, p.y, p.T, p.out);
     return true;
 }
 
@@ -740,6 +843,7 @@ int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x
     p.x_stride = x_stride, p.T = T, p.in = in, p.out = out;
     p.layer_norm = f->layer_norm, p.ln_w = f->ln_w, p.ln_b = f->ln_b, p.ln_eps = f->ln_eps;
     p.activate = f->activate, p.act = f->act, p.accumulate = f->accumulate;
+    p.argmax = f->argmax;
     if (lin_small(env, dt, p)) return 0;
 
     if (f->layer_norm) {
@@ -771,5 +875,6 @@ int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x
     }
     if (f->activate && !act_done) cuda_activation(env->stream, dt, dst, (size_t)T * out, f->act);
     if (via_tmp) cuda_add(env->stream, dt, y, dst, (size_t)T * out);
+    if (f->argmax) cuda_argmax(env->stream, dt, f->argmax, y, T, out);
     return 0;
 }

@@ -769,6 +769,71 @@ static void test_argmax(const pair *p) {
     }
 }
 
+/* ---- the LM head's fused argmax (pd_linear_fuse.argmax) ----
+ * The ids must be what the argmax op picks from the very logits the same
+ * call wrote, and the logits must be those of the call without the pick.
+ * W row out-1 is a copy of row 7 with the same large bias, an exact tie at
+ * the top (row 7 must win, the two rows being in different blocks and
+ * tile blocks), a NaN bias makes NaN
+ * logits (never picked) and a NaN x row a row of NaN (id 0). Outputs from
+ * a few hundred rows (one pass of the grid) to the LM head's 50,272. */
+static void test_linear_argmax(const pair *p) {
+    pd_backend *g = p->gpu;
+    if (!g->linear_argmax) return;
+    const int shapes[][2] = {{96, 1000}, {64, 13001}, {768, 50272}};
+    const int Ts[] = {1, 2, 5, 8, 9};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+            const int in = shapes[si][0], out = shapes[si][1], T = Ts[ti];
+            float *w = rand_vec((size_t)in * out, -1, 1), *x = rand_vec((size_t)T * in, -2, 2);
+            float *bias = rand_vec((size_t)out, -0.1f, 0.1f), *lnw = rand_vec((size_t)in, 0.5f, 1.5f);
+            float *lnb = rand_vec((size_t)in, -0.2f, 0.2f);
+            /* row out-1 copies row 7 (and below gets its bias) */
+            memcpy(w + (size_t)(out - 1) * in, w + (size_t)7 * in, sizeof(float) * in);
+            for (int k = 0; k < out; k += 97) bias[k] = NAN;
+            bias[7] = bias[out - 1] = 1000.0f; /* rows 7 and out-1 tie at the top */
+            if (T > 1) x[(size_t)1 * in + 3] = NAN; /* token 1: every logit NaN */
+            pd_err err;
+            void *dw = up_f32(g, w, (size_t)in * out), *dx = up_f32(g, x, (size_t)T * in);
+            void *db = up_f32(g, bias, out), *dlw = up_f32(g, lnw, in), *dlb = up_f32(g, lnb, in);
+            void *y1 = g->alloc(g, (size_t)T * out * g->elem_size, &err);
+            void *y2 = g->alloc(g, (size_t)T * out * g->elem_size, &err);
+            void *ln_out = g->alloc(g, (size_t)T * in * g->elem_size, &err);
+            int32_t *d_fused = g->alloc(g, sizeof(int32_t) * T, &err);
+            int32_t *d_ref = g->alloc(g, sizeof(int32_t) * T, &err);
+            for (int with_ln = 0; with_ln < 2; with_ln++) {
+                pd_linear_fuse f = {.layer_norm = with_ln, .ln_w = dlw, .ln_b = dlb,
+                                    .ln_eps = 1e-5f, .ln_out = ln_out};
+                g->linear(g, y1, dx, in, dw, db, T, in, out, &f);
+                f.argmax = d_fused;
+                g->linear(g, y2, dx, in, dw, db, T, in, out, &f);
+                g->argmax(g, d_ref, y2, T, out);
+                int32_t fused[9], ref[9];
+                CHECKF(g->copy_d2h(g, fused, d_fused, sizeof(int32_t) * T, &err) == 0, "%s", err.msg);
+                CHECKF(g->copy_d2h(g, ref, d_ref, sizeof(int32_t) * T, &err) == 0, "%s", err.msg);
+                float *a = down(g, y1, (size_t)T * out), *b = down(g, y2, (size_t)T * out);
+                size_t differ = 0;
+                for (size_t i = 0; i < (size_t)T * out; i++)
+                    if (memcmp(&a[i], &b[i], sizeof(float)) != 0) differ++;
+                CHECKF(differ == 0, "%s linear+argmax %d->%d T=%d ln=%d: %zu logits changed",
+                       p->variant, in, out, T, with_ln, differ);
+                for (int t = 0; t < T; t++)
+                    CHECKF(fused[t] == ref[t], "%s linear+argmax %d->%d T=%d ln=%d token %d: %d, "
+                           "argmax op %d", p->variant, in, out, T, with_ln, t, fused[t], ref[t]);
+                for (int t = 0; t < T; t++)
+                    if (t != 1)
+                        CHECKF(fused[t] == 7, "%s linear+argmax %d->%d T=%d token %d: the tie "
+                               "at the top picked %d, not 7", p->variant, in, out, T, t, fused[t]);
+                if (T > 1) /* and for T = 1, token 0 is the tie above */
+                    CHECKF(fused[1] == 0, "%s: a row of NaN picks %d, not 0", p->variant, fused[1]);
+                free(a), free(b);
+            }
+            void *ptrs[] = {dw, dx, db, dlw, dlb, y1, y2, ln_out, d_fused, d_ref};
+            for (int k = 0; k < 10; k++) g->free(g, ptrs[k]);
+            free(w), free(x), free(bias), free(lnw), free(lnb);
+        }
+}
+
 /* ---- token choice: argmax and the sample op against model/sampler.c ----
  * For each parameter set and each u of a grid, the device's token must be
  * the one the host sampler's distribution (sampler_probs, on the very
@@ -869,6 +934,7 @@ static void run_variant(const char *variant, double tol) {
         test_rows(&p);
         test_attention(&p);
         test_argmax(&p);
+        test_linear_argmax(&p);
         test_sampling(&p);
     }
     pd_backend_destroy(p.gpu);
