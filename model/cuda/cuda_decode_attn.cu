@@ -386,16 +386,8 @@ static void decode_launch(cudaStream_t s, dim3 grid, size_t smem, int pdl, float
                           const void *k_cache, const void *v_cache,
                           const cuda_kv_pending *write, const pd_step_meta *m, int heads,
                           int head_dim, int block_size, float scale, int n_parts) {
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(DEC_THREADS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cfg.attrs = &attr;
-    cfg.numAttrs = pdl ? 1 : 0;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cuda_launch_cfg(grid, dim3(DEC_THREADS), smem, s, pdl, &attr);
     cudaLaunchKernelEx(&cfg, decode_part_kernel<T, PRE>, part_o, part_ml, counters, (T *)out,
                        (const T *)q, q_stride, (T *)k_cache, (T *)v_cache,
                        write ? (const T *)write->k : (const T *)NULL,

@@ -95,6 +95,44 @@ static inline cudaError_t cuda_set_carveout(const void *kernel) {
     return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct);
 }
 
+/* A launch configuration with programmatic stream serialisation when pdl
+ * (see pdl_wait); attr is the caller's, it must outlive the launch call. */
+static inline cudaLaunchConfig_t cuda_launch_cfg(dim3 grid, dim3 block, size_t smem,
+                                                 cudaStream_t s, int pdl,
+                                                 cudaLaunchAttribute *attr) {
+    *attr = cudaLaunchAttribute{};
+    attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr->val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cfg;
+}
+
+/* The greedy pick's rule, shared by the argmax op and the LM head's fused
+ * pick: a (value, index) best with index n meaning none; (ov, oi) is taken
+ * when it is something and the best is nothing, greater, or equal at a
+ * lower index. Callers never offer NaN (a NaN value is skipped where it is
+ * read), so the order is total and any reduction shape gives one answer. */
+__device__ __forceinline__ void cuda_argmax_take(float &v, int &idx, float ov, int oi, int n) {
+    if (oi < n && (idx == n || ov > v || (ov == v && oi < idx))) {
+        v = ov;
+        idx = oi;
+    }
+}
+/* The best over a warp, on every lane. */
+__device__ __forceinline__ void cuda_argmax_warp(float &v, int &idx, int n) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        cuda_argmax_take(v, idx, ov, oi, n);
+    }
+}
+
 /* Run the statement(s) with T bound to the C++ type of pd_dtype dt. */
 #define CUDA_DISPATCH(dt, T, ...)                                                                  \
     switch (dt) {                                                                                  \

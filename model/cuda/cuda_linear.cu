@@ -349,21 +349,9 @@ __device__ void lin_epilogue(const lin_params &p, int vb, const float *red, cons
 }
 
 /* ---- the fused argmax (the LM head) ----
- * The argmax op's rule (cuda_sample.cu): a (value, index) best, index n
- * meaning none; a value is taken when greater, or equal at a lower index;
- * NaN is never taken. That order is total, so blocks may meet their rows in
- * any order and the bests may be merged in any order: the result is the
- * argmax op's. */
-__device__ __forceinline__ void lin_am_take(float &v, int &idx, float ov, int oi, int n) {
-    if (oi < n && (idx == n || ov > v || (ov == v && oi < idx))) v = ov, idx = oi;
-}
-__device__ __forceinline__ void lin_am_warp(float &v, int &idx, int n) {
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        lin_am_take(v, idx, ov, oi, n);
-    }
-}
+ * The argmax op's rule (cuda_argmax_take), whose order is total: blocks may
+ * meet their rows in any order and their bests may be merged in any order,
+ * and the result is the argmax op's. */
 
 /* Warp t (< T) folds tile block vb's values of token t (am_vals[t][l], l <
  * NTILE * 8: row (vb * NTILE + l / 8) * 8 + l % 8) into its best (lane 0's). */
@@ -377,10 +365,10 @@ __device__ __forceinline__ void lin_am_fold(const lin_params &p, int vb, const f
     const int row = (vb * NTILE + lane / 8) * 8 + lane % 8;
     if (lane < NTILE * 8 && row < p.out) {
         const float f = am_vals[t * 32 + lane];
-        if (f > v || f == v) v = f, idx = row; /* not NaN */
+        if (!isnan(f)) v = f, idx = row;
     }
-    lin_am_warp(v, idx, p.out);
-    if (lane == 0) lin_am_take(best_v, best_i, v, idx, p.out);
+    cuda_argmax_warp(v, idx, p.out);
+    if (lane == 0) cuda_argmax_take(best_v, best_i, v, idx, p.out);
 }
 
 /* After the block's last tile block: publish its bests; the last block to
@@ -404,9 +392,9 @@ __device__ void lin_am_finish(const lin_params &p, float best_v, int best_i) {
     float v = -INFINITY;
     int idx = p.out;
     for (int b = lane; b < (int)gridDim.x; b += 32)
-        lin_am_take(v, idx, __ldcg(&p.am_v[b * LIN_MAX_T + t]), __ldcg(&p.am_i[b * LIN_MAX_T + t]),
-                    p.out);
-    lin_am_warp(v, idx, p.out);
+        cuda_argmax_take(v, idx, __ldcg(&p.am_v[b * LIN_MAX_T + t]),
+                         __ldcg(&p.am_i[b * LIN_MAX_T + t]), p.out);
+    cuda_argmax_warp(v, idx, p.out);
     if (lane == 0) p.argmax[t] = idx < p.out ? idx : 0;
 }
 
@@ -713,16 +701,9 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     p.am_v = env->am_v, p.am_i = env->am_i, p.am_counter = env->am_counter;
     void *k = lin_kernel_for(dt, mma, ntile, long_rows);
     void *args[] = {&p};
-    cudaLaunchAttribute attr = {};
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(blocks);
-    cfg.blockDim = dim3(LIN_THREADS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = env->stream;
-    cfg.attrs = &attr;
-    cfg.numAttrs = env->pdl ? 1 : 0;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg =
+        cuda_launch_cfg(dim3(blocks), dim3(LIN_THREADS), smem, env->stream, env->pdl, &attr);
     cudaLaunchKernelExC(&cfg, k, args); /* errors: cudaGetLastError */
     if (argmax_after) cuda_argmax(env->stream, dt, argmax_after, p.y, p.T, p.out);
     return true;

@@ -16,14 +16,6 @@
 #define ARGMAX_THREADS 1024 /* the final step reduces 32 warps in one warp */
 static_assert(ARGMAX_THREADS == 1024, "argmax_kernel reduces exactly 32 warps");
 
-/* Take (ov, oi) over (v, idx) if it is better; idx == n means "none". */
-__device__ __forceinline__ void argmax_take(float &v, int &idx, float ov, int oi, int n) {
-    if (oi < n && (idx == n || ov > v || (ov == v && oi < idx))) {
-        v = ov;
-        idx = oi;
-    }
-}
-
 template <typename T>
 __global__ void argmax_kernel(int32_t *ids, const T *x, int n) {
     __shared__ float warp_v[ARGMAX_THREADS / 32];
@@ -49,21 +41,13 @@ __global__ void argmax_kernel(int32_t *ids, const T *x, int n) {
     for (int i = n_vec * VEC + threadIdx.x; i < n; i += ARGMAX_THREADS)
         ARGMAX_VISIT(to_f32(row[i]), i);
 #undef ARGMAX_VISIT
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        argmax_take(v, idx, ov, oi, n);
-    }
+    cuda_argmax_warp(v, idx, n);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) warp_v[warp] = v, warp_i[warp] = idx;
     __syncthreads();
     if (warp != 0) return;
     v = warp_v[lane], idx = warp_i[lane]; /* ARGMAX_THREADS / 32 == 32 */
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
-        argmax_take(v, idx, ov, oi, n);
-    }
+    cuda_argmax_warp(v, idx, n);
     if (lane == 0) ids[blockIdx.x] = idx < n ? idx : 0;
 }
 
