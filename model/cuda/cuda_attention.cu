@@ -227,9 +227,9 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
      * no token reads another's new row (unless sequences share a table:
      * then the write must come first). */
     const bool fuse_write = write && decode_step && !meta->shared_tables;
-    if (fuse_write && cuda_decode_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta, heads,
-                                            head_dim, block_size, scale, work, work_floats, write,
-                                            counters, pdl))
+    if (fuse_write &&
+        cuda_decode_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta, heads, head_dim,
+                              block_size, scale, work, work_floats, write, counters, pdl))
         return;
     if (write)
         cuda_kv_write(s, dt, write->k_cache, write->v_cache, write->k, write->v, write->stride,
@@ -243,9 +243,9 @@ void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
         return;
     }
     const size_t smem = block_smem(head_dim, max_ctx);
-    if (few_queries && cuda_decode_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta,
-                                             heads, head_dim, block_size, scale, work,
-                                             work_floats, NULL, counters, 0))
+    if (few_queries &&
+        cuda_decode_attention(s, dt, out, q, q_stride, k_cache, v_cache, meta, heads, head_dim,
+                              block_size, scale, work, work_floats, NULL, counters, 0))
         return;
     if (few_queries && head_dim <= ATTN_THREADS && smem <= 48 * 1024) {
         CUDA_DISPATCH(dt, E,

@@ -61,7 +61,8 @@ __device__ __forceinline__ float2 dec_pair(uint32_t w, __nv_bfloat16) {
     memcpy(&h, &w, 4);
     return __bfloat1622float2(h);
 }
-template <typename T> __device__ __forceinline__ float dec_dot8(float s, const float *q8, const uint4 &u) {
+template <typename T>
+__device__ __forceinline__ float dec_dot8(float s, const float *q8, const uint4 &u) {
     const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
     for (int j = 0; j < 4; j++) {
@@ -70,31 +71,38 @@ template <typename T> __device__ __forceinline__ float dec_dot8(float s, const f
     }
     return s;
 }
-template <typename T> __device__ __forceinline__ float dec_dot16(const float *qs, const T *k, int hd) {
+template <typename T>
+__device__ __forceinline__ float dec_dot16(const float *qs, const T *k, int hd) {
     float s = 0.0f;
     if ((hd & 7) == 0) {
         const uint4 *k4 = (const uint4 *)k;
 #pragma unroll 4 /* several 16-byte loads in flight */
-        for (int c = 0; c < hd / 8; c++) s = dec_dot8<T>(s, qs + 8 * c, k4[c]);
+        for (int c = 0; c < hd / 8; c++)
+            s = dec_dot8<T>(s, qs + 8 * c, k4[c]);
         return s;
     }
-    for (int d = 0; d < hd; d++) s += qs[d] * to_f32(k[d]);
+    for (int d = 0; d < hd; d++)
+        s += qs[d] * to_f32(k[d]);
     return s;
 }
-template <> __device__ __forceinline__ float dec_dot<__half>(const float *qs, const __half *k, int hd) {
+template <>
+__device__ __forceinline__ float dec_dot<__half>(const float *qs, const __half *k, int hd) {
     return dec_dot16<__half>(qs, k, hd);
 }
 template <>
-__device__ __forceinline__ float dec_dot<__nv_bfloat16>(const float *qs, const __nv_bfloat16 *k, int hd) {
+__device__ __forceinline__ float dec_dot<__nv_bfloat16>(const float *qs, const __nv_bfloat16 *k,
+                                                        int hd) {
     return dec_dot16<__nv_bfloat16>(qs, k, hd);
 }
 
 /* acc[j] += w * v_j over one 16-byte piece of a V row. */
-template <typename T> __device__ __forceinline__ void dec_axpy(float *acc, float w, const uint4 &u) {
+template <typename T>
+__device__ __forceinline__ void dec_axpy(float *acc, float w, const uint4 &u) {
     constexpr int VEC = 16 / sizeof(T);
     const T *vv = (const T *)&u;
 #pragma unroll
-    for (int j = 0; j < VEC; j++) acc[j] += w * to_f32(vv[j]);
+    for (int j = 0; j < VEC; j++)
+        acc[j] += w * to_f32(vv[j]);
 }
 
 /* The prefetching variant (see decode_part_kernel) is built for one shape,
@@ -103,14 +111,14 @@ template <typename T> __device__ __forceinline__ void dec_axpy(float *acc, float
  * The first part's rows go to shared memory with cp.async (no registers
  * held across the wait, so the block fits beside the kernel before it). */
 #define DEC_PRE_HEAD_DIM 64
-#define DEC_PRE_PIECES 8     /* 16-byte pieces of a row */
+#define DEC_PRE_PIECES 8      /* 16-byte pieces of a row */
 #define DEC_PRE_MAX_ITEMS 128 /* a block per SM or so: batch 1..10 of 12 heads */
 /* Shared bytes of the prefetched K and V rows: a part of each. */
 #define DEC_PRE_SMEM (2 * DEC_PART * DEC_PRE_HEAD_DIM * 2)
 struct dec_pre {
-    bool on;    /* this part's rows are in kv: the cached ones copied before
-                 * the wait, the token's own one staged after it */
-    uint4 *kv;  /* [DEC_PART] K rows, then [DEC_PART] V rows, 8 pieces each */
+    bool on;   /* this part's rows are in kv: the cached ones copied before
+                * the wait, the token's own one staged after it */
+    uint4 *kv; /* [DEC_PART] K rows, then [DEC_PART] V rows, 8 pieces each */
 };
 
 __device__ __forceinline__ void dec_copy16(uint4 *dst, const void *src) {
@@ -143,11 +151,10 @@ template <typename T> __device__ __forceinline__ int dec_lanes(int head_dim, con
  * acc_part (per group) and returned as (max, sum) through *mx_out, *sum_out.
  * Ends with a barrier, so acc_part is complete for every thread. */
 template <typename T>
-__device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part, float *e,
-                                                float *red, const T *v_cache, const T *k_cache,
-                                                const int32_t *table, size_t row, int h,
-                                                int head_dim, int block_size, int p0, int p1,
-                                                const dec_pre &pre, float *mx_out, float *sum_out) {
+__device__ __forceinline__ void
+decode_one_part(const float *qs, float *acc_part, float *e, float *red, const T *v_cache,
+                const T *k_cache, const int32_t *table, size_t row, int h, int head_dim,
+                int block_size, int p0, int p1, const dec_pre &pre, float *mx_out, float *sum_out) {
     const int p = p0 + (int)threadIdx.x;
     float sc = -INFINITY;
     if constexpr (sizeof(T) == 2) {
@@ -155,7 +162,8 @@ __device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part
             const uint4 *k4 = pre.kv + (size_t)threadIdx.x * DEC_PRE_PIECES;
             sc = 0.0f;
 #pragma unroll
-            for (int c = 0; c < DEC_PRE_PIECES; c++) sc = dec_dot8<T>(sc, qs + 8 * c, k4[c]);
+            for (int c = 0; c < DEC_PRE_PIECES; c++)
+                sc = dec_dot8<T>(sc, qs + 8 * c, k4[c]);
         }
     }
     if (p < p1 && !pre.on) {
@@ -194,7 +202,8 @@ __device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part
                 dec_axpy<T>(acc, e[pp - p0], *v4);
         } else {
 #pragma unroll 4
-            for (int pp = p0 + g; pp < p1; pp += groups) dec_axpy<T>(acc, e[pp - p0], v_row(pp));
+            for (int pp = p0 + g; pp < p1; pp += groups)
+                dec_axpy<T>(acc, e[pp - p0], v_row(pp));
         }
 #pragma unroll
         for (int j = 0; j < VEC; j++) acc_part[g * head_dim + c * VEC + j] = acc[j];
@@ -221,18 +230,21 @@ __device__ __forceinline__ void decode_one_part(const float *qs, float *acc_part
 __device__ __forceinline__ float dec_group_sum(const float *acc_part, int groups, int head_dim,
                                                int *dim) {
     const int Q = DEC_THREADS / head_dim;
-    const bool split = DEC_THREADS % head_dim == 0 && Q <= 32 && (Q & (Q - 1)) == 0 &&
-                       groups % Q == 0;
+    const bool split =
+        DEC_THREADS % head_dim == 0 && Q <= 32 && (Q & (Q - 1)) == 0 && groups % Q == 0;
     float o = 0.0f;
     if (!split) {
         *dim = (int)threadIdx.x < head_dim ? (int)threadIdx.x : -1;
         if (*dim >= 0)
-            for (int i = 0; i < groups; i++) o += acc_part[i * head_dim + *dim];
+            for (int i = 0; i < groups; i++)
+                o += acc_part[i * head_dim + *dim];
         return o;
     }
     const int d = (int)threadIdx.x / Q, j = (int)threadIdx.x % Q, run = groups / Q;
-    for (int i = j * run; i < (j + 1) * run; i++) o += acc_part[i * head_dim + d];
-    for (int w = 1; w < Q; w <<= 1) o += __shfl_xor_sync(0xffffffffu, o, w);
+    for (int i = j * run; i < (j + 1) * run; i++)
+        o += acc_part[i * head_dim + d];
+    for (int w = 1; w < Q; w <<= 1)
+        o += __shfl_xor_sync(0xffffffffu, o, w);
     *dim = j == 0 ? d : -1;
     return o;
 }
@@ -272,7 +284,8 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
     if constexpr (PRE) { /* thread i: position p0 + i's K row and V row */
         const int p = (int)blockIdx.y * DEC_PART + (int)threadIdx.x;
         if (p < n_ctx - 1) {
-            const size_t slot = (size_t)table[p / block_size] * block_size + (size_t)(p % block_size);
+            const size_t slot =
+                (size_t)table[p / block_size] * block_size + (size_t)(p % block_size);
             const size_t at = slot * row + (size_t)h * head_dim;
             uint4 *dst = pre.kv + (size_t)threadIdx.x * DEC_PRE_PIECES;
 #pragma unroll
@@ -359,8 +372,7 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
 
 cudaError_t cuda_decode_attention_init(void) {
     /* The prefetching kernels' shared memory passes the default 48 KiB. */
-    const int bytes =
-        (int)(sizeof(float) * (DEC_PRE_HEAD_DIM + DEC_ACC + DEC_PART) + DEC_PRE_SMEM);
+    const int bytes = (int)(sizeof(float) * (DEC_PRE_HEAD_DIM + DEC_ACC + DEC_PART) + DEC_PRE_SMEM);
     cudaError_t e = cudaFuncSetAttribute(decode_part_kernel<__half, true>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e == cudaSuccess)
@@ -371,7 +383,8 @@ cudaError_t cuda_decode_attention_init(void) {
                              (const void *)decode_part_kernel<__nv_bfloat16, false>,
                              (const void *)decode_part_kernel<__half, true>,
                              (const void *)decode_part_kernel<__nv_bfloat16, true>};
-    for (int i = 0; i < 5 && e == cudaSuccess; i++) e = cuda_set_carveout(kernels[i]);
+    for (int i = 0; i < 5 && e == cudaSuccess; i++)
+        e = cuda_set_carveout(kernels[i]);
     return e;
 }
 
@@ -383,9 +396,9 @@ size_t cuda_decode_attention_work(int n_tokens, int heads, int head_dim, int max
 template <typename T, bool PRE>
 static void decode_launch(cudaStream_t s, dim3 grid, size_t smem, int pdl, float *part_o,
                           float *part_ml, int *counters, void *out, const void *q, int q_stride,
-                          const void *k_cache, const void *v_cache,
-                          const cuda_kv_pending *write, const pd_step_meta *m, int heads,
-                          int head_dim, int block_size, float scale, int n_parts) {
+                          const void *k_cache, const void *v_cache, const cuda_kv_pending *write,
+                          const pd_step_meta *m, int heads, int head_dim, int block_size,
+                          float scale, int n_parts) {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = cuda_launch_cfg(grid, dim3(DEC_THREADS), smem, s, pdl, &attr);
     cudaLaunchKernelEx(&cfg, decode_part_kernel<T, PRE>, part_o, part_ml, counters, (T *)out,
@@ -401,13 +414,13 @@ template <typename T>
 static void decode_pick(bool pre, cudaStream_t s, dim3 grid, size_t smem, int pdl, float *part_o,
                         float *part_ml, int *counters, void *out, const void *q, int q_stride,
                         const void *k_cache, const void *v_cache, const cuda_kv_pending *write,
-                        const pd_step_meta *m, int heads, int head_dim, int block_size,
-                        float scale, int n_parts) {
+                        const pd_step_meta *m, int heads, int head_dim, int block_size, float scale,
+                        int n_parts) {
     if constexpr (sizeof(T) == 2) {
         if (pre) {
-            decode_launch<T, true>(s, grid, smem, pdl, part_o, part_ml, counters, out, q,
-                                   q_stride, k_cache, v_cache, write, m, heads, head_dim,
-                                   block_size, scale, n_parts);
+            decode_launch<T, true>(s, grid, smem, pdl, part_o, part_ml, counters, out, q, q_stride,
+                                   k_cache, v_cache, write, m, heads, head_dim, block_size, scale,
+                                   n_parts);
             return;
         }
     }

@@ -97,9 +97,8 @@ static inline cudaError_t cuda_set_carveout(const void *kernel) {
 
 /* A launch configuration with programmatic stream serialisation when pdl
  * (see pdl_wait); attr is the caller's, it must outlive the launch call. */
-static inline cudaLaunchConfig_t cuda_launch_cfg(dim3 grid, dim3 block, size_t smem,
-                                                 cudaStream_t s, int pdl,
-                                                 cudaLaunchAttribute *attr) {
+static inline cudaLaunchConfig_t cuda_launch_cfg(dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                                                 int pdl, cudaLaunchAttribute *attr) {
     *attr = cudaLaunchAttribute{};
     attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr->val.programmaticStreamSerializationAllowed = 1;
@@ -227,8 +226,7 @@ void cuda_flash_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q,
 void cuda_paged_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q, int q_stride,
                           const void *k_cache, const void *v_cache, const pd_step_meta *meta,
                           int heads, int head_dim, int block_size, float scale, float *work,
-                          size_t work_floats, const cuda_kv_pending *write, int *counters,
-                          int pdl);
+                          size_t work_floats, const cuda_kv_pending *write, int *counters, int pdl);
 
 /* ---- launchers (cuda_decode_attn.cu) ---- */
 

@@ -142,11 +142,12 @@ template <typename E, int NTILE>
 __device__ __forceinline__ float lin_bias_at(const lin_params &p, int vb) {
     int row, t;
     return p.bias && lin_epi_slot<NTILE>(p, vb, &row, &t) ? to_f32(__ldg((const E *)p.bias + row))
-                                                         : 0.0f;
+                                                          : 0.0f;
 }
 
 /* Before the wait: the layer's own parameters. */
-template <typename E, int NTILE> __device__ __forceinline__ lin_pre lin_prefetch(const lin_params &p) {
+template <typename E, int NTILE>
+__device__ __forceinline__ lin_pre lin_prefetch(const lin_params &p) {
     constexpr int V = 16 / sizeof(E);
     lin_pre pre;
     pre.ln_w = pre.ln_b = make_uint4(0, 0, 0, 0);
@@ -176,7 +177,8 @@ __device__ __forceinline__ void lin_load_acc(const lin_params &p, int vb, lin_pr
  * prefetched): each thread keeps its piece in registers, so the row's two
  * sums take one barrier each and x is written to shared memory once,
  * already normalised. */
-template <typename E> __device__ void lin_stage_ln_row(const lin_params &p, E *xs, const lin_pre &pre) {
+template <typename E>
+__device__ void lin_stage_ln_row(const lin_params &p, E *xs, const lin_pre &pre) {
     constexpr int V = 16 / sizeof(E);
     __shared__ float part_sum[LIN_WARPS], part_ss[LIN_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -186,31 +188,36 @@ template <typename E> __device__ void lin_stage_ln_row(const lin_params &p, E *x
     lin_widen(mine ? __ldg((const uint4 *)((const E *)p.x + k0)) : make_uint4(0, 0, 0, 0), f, E());
     float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < V; j++) sum += f[j];
+    for (int j = 0; j < V; j++)
+        sum += f[j];
     sum = lin_warp_sum(sum);
     if (lane == 0) part_sum[warp] = sum;
     __syncthreads();
     sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < LIN_WARPS; w++) sum += part_sum[w];
+    for (int w = 0; w < LIN_WARPS; w++)
+        sum += part_sum[w];
     const float mean = sum / (float)p.in;
     float ss = 0.0f;
     if (mine)
 #pragma unroll
-        for (int j = 0; j < V; j++) ss += (f[j] - mean) * (f[j] - mean);
+        for (int j = 0; j < V; j++)
+            ss += (f[j] - mean) * (f[j] - mean);
     ss = lin_warp_sum(ss);
     if (lane == 0) part_ss[warp] = ss;
     __syncthreads();
     ss = 0.0f;
 #pragma unroll
-    for (int w = 0; w < LIN_WARPS; w++) ss += part_ss[w];
+    for (int w = 0; w < LIN_WARPS; w++)
+        ss += part_ss[w];
     const float rstd = 1.0f / sqrtf(ss / (float)p.in + p.ln_eps);
     float fw[V], fb[V];
     lin_widen(pre.ln_w, fw, E());
     lin_widen(pre.ln_b, fb, E());
     E out[V];
 #pragma unroll
-    for (int j = 0; j < V; j++) out[j] = from_f32<E>((f[j] - mean) * rstd * fw[j] + fb[j]);
+    for (int j = 0; j < V; j++)
+        out[j] = from_f32<E>((f[j] - mean) * rstd * fw[j] + fb[j]);
     uint4 packed;
     memcpy(&packed, out, 16);
     /* pieces past `in` (up to in_pad) are zero, as the MMA loop expects */
@@ -688,7 +695,8 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
      * 1,571 tile blocks) in one pass, each block staging and normalising x
      * once instead of once per tile block. */
     const int chunks_per_warp = ((p.in + 31) / 32 + LIN_WARPS / ntile - 1) / (LIN_WARPS / ntile);
-    const bool long_rows = chunks_per_warp > LIN_UNROLL_MMA && chunks_per_warp <= LIN_UNROLL_MMA_LONG;
+    const bool long_rows =
+        chunks_per_warp > LIN_UNROLL_MMA && chunks_per_warp <= LIN_UNROLL_MMA_LONG;
     const int resident = mma ? (long_rows ? 2 : 3) * env->sm_count : p.n_vblocks;
     const unsigned blocks = (unsigned)(p.n_vblocks < resident ? p.n_vblocks : resident);
     /* The argmax rides in the MMA kernel; the FMA kernel's rows get the

@@ -622,8 +622,7 @@ static void timed_run(const timed_linear *tl, int fused) {
     for (int i = 0; i < TIME_CALLS; i++) {
         const void *w = tl->w_copies + (size_t)(i % tl->n_copies) * wbytes;
         if (fused)
-            tl->be->linear(tl->be, tl->d.y, tl->d.x, tl->in, w, bias, tl->T, tl->in, tl->out,
-                           &f);
+            tl->be->linear(tl->be, tl->d.y, tl->d.x, tl->in, w, bias, tl->T, tl->in, tl->out, &f);
         else
             ref_linear(tl->be, tl->d.y, tl->d.x, tl->in, w, bias, tl->T, tl->in, tl->out, &f);
     }
@@ -786,12 +785,14 @@ static void test_linear_argmax(const pair *p) {
         for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
             const int in = shapes[si][0], out = shapes[si][1], T = Ts[ti];
             float *w = rand_vec((size_t)in * out, -1, 1), *x = rand_vec((size_t)T * in, -2, 2);
-            float *bias = rand_vec((size_t)out, -0.1f, 0.1f), *lnw = rand_vec((size_t)in, 0.5f, 1.5f);
+            float *bias = rand_vec((size_t)out, -0.1f, 0.1f),
+                  *lnw = rand_vec((size_t)in, 0.5f, 1.5f);
             float *lnb = rand_vec((size_t)in, -0.2f, 0.2f);
             /* row out-1 copies row 7 (and below gets its bias) */
             memcpy(w + (size_t)(out - 1) * in, w + (size_t)7 * in, sizeof(float) * in);
-            for (int k = 0; k < out; k += 97) bias[k] = NAN;
-            bias[7] = bias[out - 1] = 1000.0f; /* rows 7 and out-1 tie at the top */
+            for (int k = 0; k < out; k += 97)
+                bias[k] = NAN;
+            bias[7] = bias[out - 1] = 1000.0f;      /* rows 7 and out-1 tie at the top */
             if (T > 1) x[(size_t)1 * in + 3] = NAN; /* token 1: every logit NaN */
             pd_err err;
             void *dw = up_f32(g, w, (size_t)in * out), *dx = up_f32(g, x, (size_t)T * in);
@@ -802,14 +803,18 @@ static void test_linear_argmax(const pair *p) {
             int32_t *d_fused = g->alloc(g, sizeof(int32_t) * T, &err);
             int32_t *d_ref = g->alloc(g, sizeof(int32_t) * T, &err);
             for (int with_ln = 0; with_ln < 2; with_ln++) {
-                pd_linear_fuse f = {.layer_norm = with_ln, .ln_w = dlw, .ln_b = dlb,
-                                    .ln_eps = 1e-5f, .ln_out = ln_out};
+                pd_linear_fuse f = {.layer_norm = with_ln,
+                                    .ln_w = dlw,
+                                    .ln_b = dlb,
+                                    .ln_eps = 1e-5f,
+                                    .ln_out = ln_out};
                 g->linear(g, y1, dx, in, dw, db, T, in, out, &f);
                 f.argmax = d_fused;
                 g->linear(g, y2, dx, in, dw, db, T, in, out, &f);
                 g->argmax(g, d_ref, y2, T, out);
                 int32_t fused[9], ref[9];
-                CHECKF(g->copy_d2h(g, fused, d_fused, sizeof(int32_t) * T, &err) == 0, "%s", err.msg);
+                CHECKF(g->copy_d2h(g, fused, d_fused, sizeof(int32_t) * T, &err) == 0, "%s",
+                       err.msg);
                 CHECKF(g->copy_d2h(g, ref, d_ref, sizeof(int32_t) * T, &err) == 0, "%s", err.msg);
                 float *a = down(g, y1, (size_t)T * out), *b = down(g, y2, (size_t)T * out);
                 size_t differ = 0;
@@ -818,18 +823,23 @@ static void test_linear_argmax(const pair *p) {
                 CHECKF(differ == 0, "%s linear+argmax %d->%d T=%d ln=%d: %zu logits changed",
                        p->variant, in, out, T, with_ln, differ);
                 for (int t = 0; t < T; t++)
-                    CHECKF(fused[t] == ref[t], "%s linear+argmax %d->%d T=%d ln=%d token %d: %d, "
-                           "argmax op %d", p->variant, in, out, T, with_ln, t, fused[t], ref[t]);
+                    CHECKF(fused[t] == ref[t],
+                           "%s linear+argmax %d->%d T=%d ln=%d token %d: %d, "
+                           "argmax op %d",
+                           p->variant, in, out, T, with_ln, t, fused[t], ref[t]);
                 for (int t = 0; t < T; t++)
                     if (t != 1)
-                        CHECKF(fused[t] == 7, "%s linear+argmax %d->%d T=%d token %d: the tie "
-                               "at the top picked %d, not 7", p->variant, in, out, T, t, fused[t]);
+                        CHECKF(fused[t] == 7,
+                               "%s linear+argmax %d->%d T=%d token %d: the tie "
+                               "at the top picked %d, not 7",
+                               p->variant, in, out, T, t, fused[t]);
                 if (T > 1) /* and for T = 1, token 0 is the tie above */
                     CHECKF(fused[1] == 0, "%s: a row of NaN picks %d, not 0", p->variant, fused[1]);
                 free(a), free(b);
             }
             void *ptrs[] = {dw, dx, db, dlw, dlb, y1, y2, ln_out, d_fused, d_ref};
-            for (int k = 0; k < 10; k++) g->free(g, ptrs[k]);
+            for (int k = 0; k < 10; k++)
+                g->free(g, ptrs[k]);
             free(w), free(x), free(bias), free(lnw), free(lnb);
         }
 }
