@@ -51,7 +51,8 @@ typedef struct p2p_tensor { /* a received tensor, owned by the caller after p2p_
     int ndim;
     int64_t shape[8];
     size_t nbytes;
-    void *data; /* host memory (tcp) or device memory (nccl); NULL when nbytes == 0 */
+    void *data; /* host memory, 8-byte aligned (tcp), or device memory (nccl); NULL when
+                 * nbytes == 0 */
     bool on_device;
 } p2p_tensor;
 

@@ -98,12 +98,15 @@ p2p_rx_tensor *p2p_rx_tensor_make(const char *id, const p2p_meta *meta, zmq_msg_
         t->pub.data = dev_buf;
         t->pub.on_device = true;
     } else if (meta->nbytes > 0) {
-        /* Keep ZMQ's buffer when it is aligned (no copy). Look after the move: a small
-         * frame's bytes live inside the zmq_msg_t itself and move with it. */
+        /* Keep ZMQ's buffer when it is aligned for every element type a tensor
+         * carries (8 bytes: ZMQ puts a large frame's bytes 8 bytes off a
+         * 16-byte boundary, so asking for 16 copied every frame). Look after
+         * the move: a small frame's bytes live inside the zmq_msg_t itself
+         * and move with it. */
         zmq_msg_init(&t->msg);
         zmq_msg_move(&t->msg, frame);
         void *p = zmq_msg_data(&t->msg);
-        if (((uintptr_t)p & 15) == 0) {
+        if (((uintptr_t)p & 7) == 0) {
             t->has_msg = true;
             t->pub.data = p;
         } else { /* ZMQ may hand out frames at any offset; callers may cast to float */
