@@ -454,9 +454,10 @@ bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q
     const int want = (DEC_TARGET_BLOCKS + items - 1) / items;
     const int slots = want < 1 ? 1 : want > n_parts ? n_parts : want;
     const dim3 grid((unsigned)items, (unsigned)slots);
-    /* Prefetching holds 64 more registers a thread, which only pays while
-     * the items are few (batch 1..~40 of a 12-head model); a large batch
-     * keeps the plain kernel and its occupancy. Either gives the same bits. */
+    /* Prefetching takes 64 KiB more shared memory a block, which only pays
+     * while the items are few (DEC_PRE_MAX_ITEMS: batch 1..10 of a 12-head
+     * model); a large batch keeps the plain kernel and its occupancy.
+     * Either gives the same bits. */
     const bool pre = pdl && write && dt != PD_F32 && head_dim == DEC_PRE_HEAD_DIM &&
                      items <= DEC_PRE_MAX_ITEMS && (uintptr_t)k_cache % 16 == 0 &&
                      (uintptr_t)v_cache % 16 == 0;

@@ -152,7 +152,7 @@ __device__ __forceinline__ lin_pre lin_prefetch(const lin_params &p) {
     lin_pre pre;
     pre.ln_w = pre.ln_b = make_uint4(0, 0, 0, 0);
     pre.bias = pre.y_old = 0.0f;
-    pre.ln_vec = p.layer_norm && p.ln_w && p.vec_ln && p.in <= V * (int)blockDim.x;
+    pre.ln_vec = p.vec_ln && p.in <= V * (int)blockDim.x;
     const int k = (int)threadIdx.x * V;
     if (pre.ln_vec && k < p.in) {
         pre.ln_w = __ldg((const uint4 *)((const E *)p.ln_w + k));
@@ -177,11 +177,24 @@ __device__ __forceinline__ void lin_load_acc(const lin_params &p, int vb, lin_pr
  * prefetched): each thread keeps its piece in registers, so the row's two
  * sums take one barrier each and x is written to shared memory once,
  * already normalised. */
+/* v summed over the block's LIN_THREADS threads in cuda_block_reduce's
+ * order, without its leading barrier: each call passes its own part[]. */
+__device__ __forceinline__ float lin_block_sum(float v, float *part) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = lin_warp_sum(v);
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    float s = 0.0f;
+#pragma unroll
+    for (int w = 0; w < LIN_WARPS; w++)
+        s += part[w];
+    return s;
+}
+
 template <typename E>
 __device__ void lin_stage_ln_row(const lin_params &p, E *xs, const lin_pre &pre) {
     constexpr int V = 16 / sizeof(E);
     __shared__ float part_sum[LIN_WARPS], part_ss[LIN_WARPS];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int k0 = (int)threadIdx.x * V;
     const bool mine = k0 < p.in;
     float f[V];
@@ -190,26 +203,13 @@ __device__ void lin_stage_ln_row(const lin_params &p, E *xs, const lin_pre &pre)
 #pragma unroll
     for (int j = 0; j < V; j++)
         sum += f[j];
-    sum = lin_warp_sum(sum);
-    if (lane == 0) part_sum[warp] = sum;
-    __syncthreads();
-    sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < LIN_WARPS; w++)
-        sum += part_sum[w];
-    const float mean = sum / (float)p.in;
+    const float mean = lin_block_sum(sum, part_sum) / (float)p.in;
     float ss = 0.0f;
     if (mine)
 #pragma unroll
         for (int j = 0; j < V; j++)
             ss += (f[j] - mean) * (f[j] - mean);
-    ss = lin_warp_sum(ss);
-    if (lane == 0) part_ss[warp] = ss;
-    __syncthreads();
-    ss = 0.0f;
-#pragma unroll
-    for (int w = 0; w < LIN_WARPS; w++)
-        ss += part_ss[w];
+    ss = lin_block_sum(ss, part_ss);
     const float rstd = 1.0f / sqrtf(ss / (float)p.in + p.ln_eps);
     float fw[V], fb[V];
     lin_widen(pre.ln_w, fw, E());
