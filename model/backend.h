@@ -128,6 +128,11 @@ struct pd_backend {
      * y[t] += table[idx[t] + offset] (accumulate != 0); rows of dim elements. */
     void (*embedding)(pd_backend *be, void *y, const void *table, const int32_t *idx, int offset,
                       int rows, int dim, int accumulate);
+    /* Optional (NULL: embedding twice, the second accumulating): y[t] =
+     * a[ia[t]] + b[ib[t] + b_offset], the sum rounded once, as the two calls
+     * do it; one launch where a step would take two. */
+    void (*embedding_sum)(pd_backend *be, void *y, const void *a, const int32_t *ia, const void *b,
+                          const int32_t *ib, int b_offset, int rows, int dim);
     /* y[i] = x[rows[i]] for i < n (rows: device int32). */
     void (*gather_rows)(pd_backend *be, void *y, const void *x, const int32_t *rows, int n,
                         int dim);
@@ -163,11 +168,17 @@ struct pd_backend {
      * copies are one DMA each rather than a staged copy. NULL: malloc/free. */
     void *(*host_alloc)(pd_backend *be, size_t bytes, pd_err *err);
     void (*host_free)(pd_backend *be, void *p); /* NULL is fine */
+    /* host_alloc memory is also the backend's: its ops may write there
+     * directly (same address), so a step's picks land in host memory with no
+     * copy after the step, only the sync. */
+    int host_mapped;
     /* Queue a device-to-device copy (also the bandwidth probe of benchmarks). */
     void (*copy_d2d)(pd_backend *be, void *dst, const void *src, size_t bytes);
     /* Graph capture: between graph_begin and graph_end every compute op is
-     * recorded instead of run (copies and syncs are not allowed there);
-     * graph_launch replays the recording with the same pointers and sizes. */
+     * recorded instead of run, and so is copy_h2d_async from host_alloc
+     * memory (a replay copies what the source holds then); other copies and
+     * syncs are not allowed there. graph_launch replays the recording with
+     * the same pointers and sizes. */
     int (*graph_begin)(pd_backend *be, pd_err *err);
     int (*graph_end)(pd_backend *be, void **graph, pd_err *err);
     int (*graph_launch)(pd_backend *be, void *graph, pd_err *err);

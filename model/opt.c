@@ -31,7 +31,9 @@ typedef struct opt_scratch {
     void *last;         /* [n_logits, max(h, w)] rows that want logits */
     void *last_w;       /* [n_logits, w] after project_out */
     void *logits;       /* [n_logits, V] */
-    int32_t *ids;       /* [n_logits] greedy picks or draws (device) */
+    int32_t *ids;       /* [n_logits] greedy picks or draws (device, or host
+                         * memory the backend writes where ids_mapped) */
+    bool ids_mapped;    /* ids is host_alloc memory (pd_backend.host_mapped) */
     float *sample_dev;  /* [n_logits, 5] sampling parameters (device) */
     void *meta_dev;     /* int32 [cap_meta] */
     int32_t *meta_host; /* host staging for the same (host_alloc) */
@@ -297,18 +299,43 @@ static void host_free(pd_backend *be, void *p) {
     }
 }
 
+/* The picks' buffer: in host memory where the backend's ops can write
+ * there (the step then ends with its ids already on the host), else device
+ * memory with ids_host to copy them through. */
+static void ids_free(pd_backend *be, opt_scratch *s) {
+    if (s->ids_mapped)
+        host_free(be, s->ids);
+    else
+        be->free(be, s->ids);
+    host_free(be, s->ids_host);
+    s->ids = s->ids_host = NULL;
+    s->ids_mapped = false;
+}
+static int ids_alloc(pd_backend *be, opt_scratch *s, int cap, pd_err *err) {
+    const size_t bytes = (size_t)cap * sizeof(int32_t);
+    if (be->host_mapped && be->host_alloc) {
+        s->ids = host_alloc(be, bytes);
+        s->ids_mapped = s->ids != NULL;
+        if (s->ids) return 0;
+        return pd_fail(err, "opt forward: out of host memory for %d ids", cap);
+    }
+    s->ids = be->alloc(be, bytes, err);
+    s->ids_host = s->ids ? host_alloc(be, bytes) : NULL;
+    if (s->ids_host) return 0;
+    return s->ids ? pd_fail(err, "opt forward: out of host memory for %d ids", cap) : -1;
+}
+
 static void scratch_free(pd_backend *be, opt_scratch *s) {
-    void **dev[] = {&s->x,      &s->a,      &s->qkv,    &s->attn,        &s->ffn,   &s->emb,
-                    &s->last,   &s->last_w, &s->logits, (void **)&s->ids, &s->meta_dev,
+    void **dev[] = {&s->x,    &s->a,      &s->qkv,    &s->attn,     &s->ffn,
+                    &s->emb,  &s->last,   &s->last_w, &s->logits,   &s->meta_dev,
                     (void **)&s->sample_dev};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) {
         be->free(be, *dev[i]);
         *dev[i] = NULL;
     }
+    ids_free(be, s);
     host_free(be, s->meta_host);
-    host_free(be, s->ids_host);
     s->meta_host = NULL;
-    s->ids_host = NULL;
     s->cap_tokens = s->cap_logits = s->cap_meta = 0;
 }
 
@@ -411,11 +438,10 @@ static int scratch_reserve(opt_model *m, int T, int n_logits, int n_meta, pd_err
     }
     if (n_logits > s->cap_logits) {
         int cap = n_logits > 2 * s->cap_logits ? n_logits : 2 * s->cap_logits;
-        void **dev[] = {&s->last, &s->last_w, &s->logits, (void **)&s->ids,
-                        (void **)&s->sample_dev};
+        void **dev[] = {&s->last, &s->last_w, &s->logits, (void **)&s->sample_dev};
         size_t bytes[] = {(h > wd ? h : wd) * es, wd * es, (size_t)c->vocab_size * es,
-                          sizeof(int32_t), 5 * sizeof(float)};
-        for (int i = 0; i < 5; i++) {
+                          5 * sizeof(float)};
+        for (int i = 0; i < 4; i++) {
             be->free(be, *dev[i]);
             *dev[i] = be->alloc(be, (size_t)cap * bytes[i], err);
             if (!*dev[i]) {
@@ -423,11 +449,10 @@ static int scratch_reserve(opt_model *m, int T, int n_logits, int n_meta, pd_err
                 return pd_wrap(err, "opt forward: logits for %d rows", cap);
             }
         }
-        host_free(be, s->ids_host);
-        s->ids_host = host_alloc(be, (size_t)cap * sizeof(int32_t));
-        if (!s->ids_host) {
+        ids_free(be, s);
+        if (ids_alloc(be, s, cap, err) != 0) {
             scratch_free(be, s);
-            return pd_fail(err, "opt forward: out of host memory for %d ids", cap);
+            return pd_wrap(err, "opt forward: ids for %d rows", cap);
         }
         s->cap_logits = cap;
     }
@@ -679,10 +704,14 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
     if (m->has_proj) {
         be->embedding(be, s->emb, m->embed_tokens, meta->token_ids, 0, T, wd, 0);
         be->gemm(be, s->x, s->emb, wd, m->project_in, NULL, T, wd, h);
+        be->embedding(be, s->x, m->embed_positions, meta->positions, 2, T, h, 1);
+    } else if (be->embedding_sum) {
+        be->embedding_sum(be, s->x, m->embed_tokens, meta->token_ids, m->embed_positions,
+                          meta->positions, 2, T, h);
     } else {
         be->embedding(be, s->x, m->embed_tokens, meta->token_ids, 0, T, h, 0);
+        be->embedding(be, s->x, m->embed_positions, meta->positions, 2, T, h, 1);
     }
-    be->embedding(be, s->x, m->embed_positions, meta->positions, 2, T, h, 1);
 
     for (int l = 0; l < c->num_hidden_layers; l++) {
         const opt_layer_dev *L = &m->layers[l];
@@ -751,6 +780,11 @@ static int read_outputs(opt_model *m, int n_logits, float *logits, int32_t *ids,
     if (!ids) return 0;
     if (be->argmax || sample_params) {
         const size_t bytes = sizeof(int32_t) * (size_t)n_logits;
+        if (m->s.ids_mapped) { /* written in place by the step's last op */
+            if (be->sync(be, err) != 0) return pd_wrap(err, "opt forward: sampled ids");
+            memcpy(ids, m->s.ids, bytes);
+            return 0;
+        }
         if (be->copy_d2h(be, m->s.ids_host, m->s.ids, bytes, err) != 0)
             return pd_wrap(err, "opt forward: sampled ids");
         memcpy(ids, m->s.ids_host, bytes);
@@ -817,7 +851,10 @@ static void graphs_free(opt_model *m) {
 
 int opt_model_set_graphs(opt_model *m, bool enable, int max_batch, pd_err *err) {
     pd_backend *be = m->be;
-    if (enable && !(be->graph_begin && be->graph_end && be->graph_launch && be->graph_free)) {
+    /* A recording copies its metadata in (copy_h2d_async from host_alloc
+     * memory, the one copy a capture may hold). */
+    if (enable && !(be->graph_begin && be->graph_end && be->graph_launch && be->graph_free &&
+                    be->copy_h2d_async && be->host_alloc)) {
         m->g.enabled = false;
         return 0; /* the backend runs eagerly (the CPU) */
     }
@@ -900,13 +937,22 @@ static int graphs_attach(opt_model *m, opt_kv_storage *kv, pd_err *err) {
 }
 
 /* Records the decode step of padded batch graph_size_at(idx), whose
- * metadata (already laid out in meta_dev's place) is meta. */
+ * metadata (laid out for meta_dev's place) is meta, n_meta entries. The
+ * recording starts with the metadata's copy from meta_host, so a replay
+ * is the host's one call: the step's metadata written there, then the
+ * launch. */
 static int graph_record(opt_model *m, opt_kv_storage *kv, int idx, const pd_step_meta *meta,
-                        const int32_t *logit_rows, pd_err *err) {
+                        size_t n_meta, const int32_t *logit_rows, pd_err *err) {
     pd_backend *be = m->be;
     opt_graphs *g = &m->g;
     const int B = graph_size_at(idx);
     if (be->graph_begin(be, err) != 0) return -1;
+    if (copy_meta(be, g->meta_dev, g->meta_host, n_meta * sizeof(int32_t), err) != 0) {
+        void *dropped = NULL;
+        pd_err ignored;
+        if (be->graph_end(be, &dropped, &ignored) == 0) be->graph_free(be, dropped);
+        return pd_wrap(err, "opt graphs: recording the metadata copy");
+    }
     forward_ops(m, kv, meta, B, logit_rows);
     if (be->graph_end(be, &g->exec[idx], err) != 0) return pd_wrap(err, "opt graphs: batch %d", B);
     g->captures++;
@@ -927,9 +973,9 @@ int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, int *recorded, pd_
         const int32_t *logit_rows = NULL;
         /* Padding sequences only: the recording depends on the sizes, and
          * nothing runs until a real step's metadata is in place. */
-        fill_meta(g->meta_host, (const int32_t *)g->meta_dev, kv, NULL, 0, B, B, B, g->max_blocks,
-                  0, &meta, &logit_rows);
-        if (graph_record(m, kv, idx, &meta, logit_rows, err) != 0) return -1;
+        const size_t n = fill_meta(g->meta_host, (const int32_t *)g->meta_dev, kv, NULL, 0, B, B,
+                                   B, g->max_blocks, 0, &meta, &logit_rows);
+        if (graph_record(m, kv, idx, &meta, n, logit_rows, err) != 0) return -1;
         if (recorded) (*recorded)++;
     }
     return 0;
@@ -945,11 +991,10 @@ static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *s
     pd_step_meta meta;
     const int32_t *logit_rows = NULL;
     /* shared_tables 0: graph_step_fits let no shared table through */
+    /* The recording copies meta_host to meta_dev as its first node. */
     const size_t n = fill_meta(g->meta_host, (const int32_t *)g->meta_dev, kv, seqs, n_seqs, B, B, B,
                                g->max_blocks, 0, &meta, &logit_rows);
-    if (copy_meta(be, g->meta_dev, g->meta_host, n * sizeof(int32_t), err) != 0)
-        return pd_wrap(err, "opt graphs: step metadata");
-    if (!g->exec[idx] && graph_record(m, kv, idx, &meta, logit_rows, err) != 0) return -1;
+    if (!g->exec[idx] && graph_record(m, kv, idx, &meta, n, logit_rows, err) != 0) return -1;
     if (be->graph_launch(be, g->exec[idx], err) != 0) return -1;
     g->replays++;
     return read_outputs(m, n_seqs, logits, ids, sample_params, err);

@@ -472,6 +472,15 @@ static void cu_embedding(pd_backend *be, void *y, const void *table, const int32
     cu_check_launch(c, "embedding");
 }
 
+static void cu_embedding_sum(pd_backend *be, void *y, const void *a, const int32_t *ia,
+                             const void *b, const int32_t *ib, int b_offset, int rows, int dim) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    prof_start(c);
+    cuda_embedding_sum(c->stream, be->dtype, y, a, ia, b, ib, b_offset, rows, dim);
+    cu_check_launch(c, "embedding");
+}
+
 static void cu_gather_rows(pd_backend *be, void *y, const void *x, const int32_t *rows, int n,
                            int dim) {
     cuda_ctx *c = ctx_of(be);
@@ -551,7 +560,9 @@ static void *cu_host_alloc(pd_backend *be, size_t bytes, pd_err *err) {
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
     void *p = NULL;
-    cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault);
+    /* Mapped: with unified addressing (checked at create, host_mapped) the
+     * kernels may write these pages at their host address. */
+    cudaError_t e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocMapped);
     if (e != cudaSuccess) {
         cudaGetLastError();
         pd_fail(err, "cuda backend: %zu bytes of page-locked host memory: %s", bytes,
@@ -813,6 +824,7 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->activation = cu_activation;
     be->add = cu_add;
     be->embedding = cu_embedding;
+    be->embedding_sum = cu_embedding_sum;
     be->gather_rows = cu_gather_rows;
     be->kv_write = cu_kv_write;
     be->paged_attention = cu_paged_attention;
@@ -822,6 +834,11 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->copy_d2d = cu_copy_d2d;
     be->host_alloc = cu_host_alloc;
     be->host_free = cu_host_free;
+    int unified = 0; /* mapped host memory then has one address on both sides */
+    be->host_mapped =
+        cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device) == cudaSuccess &&
+        unified;
+    cudaGetLastError();
     be->graph_begin = cu_graph_begin;
     be->graph_end = cu_graph_end;
     be->graph_launch = cu_graph_launch;

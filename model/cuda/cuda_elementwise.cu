@@ -93,6 +93,29 @@ void cuda_embedding(cudaStream_t s, pd_dtype dt, void *y, const void *table, con
                                                                   offset, dim, accumulate))
 }
 
+/* ---- embedding_sum: y[t] = a[ia[t]] + b[ib[t] + b_offset] ---- */
+
+/* The token and position embeddings of a step in one launch (the first of
+ * a step, so the next kernel's weight loads start at once). */
+template <typename T>
+__global__ void embedding_sum_kernel(T *y, const T *a, const int32_t *ia, const T *b,
+                                     const int32_t *ib, int b_offset, int dim) {
+    pdl_trigger();
+    const int t = blockIdx.x;
+    const T *ra = a + (size_t)ia[t] * dim, *rb = b + (size_t)(ib[t] + b_offset) * dim;
+    T *dst = y + (size_t)t * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        dst[i] = from_f32<T>(to_f32(ra[i]) + to_f32(rb[i]));
+}
+
+void cuda_embedding_sum(cudaStream_t s, pd_dtype dt, void *y, const void *a, const int32_t *ia,
+                        const void *b, const int32_t *ib, int b_offset, int rows, int dim) {
+    if (rows <= 0 || dim <= 0) return;
+    CUDA_DISPATCH(dt, E,
+                  embedding_sum_kernel<E><<<rows, EW_THREADS, 0, s>>>(
+                      (E *)y, (const E *)a, ia, (const E *)b, ib, b_offset, dim))
+}
+
 /* ---- gather_rows: y[i] = x[rows[i]] (y and x must not overlap) ---- */
 
 template <typename T>

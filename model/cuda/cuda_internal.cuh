@@ -194,6 +194,9 @@ void cuda_activation(cudaStream_t s, pd_dtype dt, void *x, size_t n, pd_activati
 void cuda_add(cudaStream_t s, pd_dtype dt, void *y, const void *x, size_t n);
 void cuda_embedding(cudaStream_t s, pd_dtype dt, void *y, const void *table, const int32_t *idx,
                     int offset, int rows, int dim, int accumulate);
+/* y[t] = a[ia[t]] + b[ib[t] + b_offset], rows of dim elements. */
+void cuda_embedding_sum(cudaStream_t s, pd_dtype dt, void *y, const void *a, const int32_t *ia,
+                        const void *b, const int32_t *ib, int b_offset, int rows, int dim);
 void cuda_gather_rows(cudaStream_t s, pd_dtype dt, void *y, const void *x, const int32_t *rows,
                       int n, int dim);
 void cuda_kv_write(cudaStream_t s, pd_dtype dt, void *k_cache, void *v_cache, const void *k,

@@ -225,6 +225,21 @@ static void test_rows(const pair *p) {
     p->cpu->embedding(p->cpu, yc, tc, ic, 2, rows, dim, 1);
     p->gpu->embedding(p->gpu, yg, tg, ig, 2, rows, dim, 1);
     compare(p, "embedding offset 2 accumulate", yc, yg, (size_t)rows * dim);
+    /* embedding_sum: the GPU's one launch against the CPU's two calls
+     * (token rows idx, position rows idx2 + 2), the sum rounded once */
+    if (p->gpu->embedding_sum) {
+        int32_t idx2[23];
+        for (int t = 0; t < rows; t++)
+            idx2[t] = (int32_t)(urand() % (V - 2));
+        int32_t *i2c = up_i32(p->cpu, idx2, rows), *i2g = up_i32(p->gpu, idx2, rows);
+        p->cpu->embedding(p->cpu, yc, tc, ic, 0, rows, dim, 0);
+        p->cpu->embedding(p->cpu, yc, tc, i2c, 2, rows, dim, 1);
+        p->gpu->embedding_sum(p->gpu, yg, tg, ig, tg, i2g, 2, rows, dim);
+        compare(p, "embedding_sum", yc, yg, (size_t)rows * dim);
+        p->cpu->free(p->cpu, i2c), p->gpu->free(p->gpu, i2g);
+    } else {
+        CHECK(0 && "the CUDA backend has embedding_sum");
+    }
 
     /* gather_rows: 17 rows of a [V, dim] matrix, with repeats */
     int32_t pick[17];
