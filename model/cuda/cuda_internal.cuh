@@ -288,6 +288,12 @@ typedef struct cuda_linear_env {
     float *am_v;
     int *am_i, *am_counter;
     int am_blocks;
+    /* How the LM head (a small-T call with very many outputs) runs
+     * (PDSERVE_CUDA_HEAD, for A/B timing): 0 "fused" the MMA kernel with the
+     * argmax fused, 1 "split" the MMA kernel then the argmax op, 2 "blas"
+     * (the default) layer norm + cuBLASLt + the argmax op. On an H200 the
+     * last is ~11 us a decode step faster at opt-125m (docs/benchmarks.md). */
+    int head_route;
 } cuda_linear_env;
 
 /* Lift the kernels' dynamic shared memory limit and allocate the fused

@@ -629,6 +629,8 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
     env->mma_ok = major >= 8;
     const char *pdl = getenv("PDSERVE_CUDA_PDL");
     env->pdl = major >= 9 && !(pdl && strcmp(pdl, "0") == 0);
+    const char *head = getenv("PDSERVE_CUDA_HEAD");
+    env->head_route = !head ? 2 : !strcmp(head, "fused") ? 0 : !strcmp(head, "split") ? 1 : 2;
     /* The kernels' static shared memory (the partial sums) comes off the top. */
     env->smem_max = (size_t)optin > 4096 ? (size_t)optin - 4096 : 0;
     /* The grid of the MMA kernel is at most 3 blocks an SM (lin_small). */
@@ -664,10 +666,15 @@ static int lin_aligned16(const void *p) {
     return ((uintptr_t)p & 15) == 0;
 }
 
+/* Outputs from which a call counts as an LM head (head_route). */
+#define LIN_HEAD_OUT 16384
+
 /* The single-kernel path; false when the call does not fit it. */
 static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base) {
     lin_params p = base;
     if (p.T > LIN_MAX_T) return false;
+    const bool lm_head = p.out >= LIN_HEAD_OUT;
+    if (lm_head && env->head_route == 2) return false;
     const size_t es = pd_dtype_size(dt);
     const bool w_vec = lin_aligned16(p.w) && (p.in * es) % 16 == 0;
     const bool mma = dt != PD_F32 && env->mma_ok && w_vec;
@@ -702,7 +709,7 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     /* The argmax rides in the MMA kernel; the FMA kernel's rows get the
      * argmax op after it. */
     int32_t *argmax_after = NULL;
-    if (p.argmax && (!mma || (int)blocks > env->am_blocks)) {
+    if (p.argmax && (!mma || (int)blocks > env->am_blocks || (lm_head && env->head_route == 1))) {
         argmax_after = p.argmax;
         p.argmax = NULL;
     }
