@@ -431,7 +431,7 @@ static void cu_layer_norm(pd_backend *be, void *y, const void *x, const void *w,
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
     prof_start(c);
-    cuda_layer_norm(c->stream, be->dtype, y, x, dim, w, b, rows, dim, eps);
+    cuda_layer_norm(c->stream, be->dtype, y, x, dim, w, b, rows, dim, eps, c->lin.pdl);
     cu_check_launch(c, "layer_norm");
 }
 
@@ -529,7 +529,8 @@ static void cu_argmax(pd_backend *be, int32_t *ids, const void *x, int rows, int
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
     prof_start(c);
-    cuda_argmax(c->stream, be->dtype, ids, x, rows, n);
+    const cuda_argmax_scratch scr = {c->lin.am_v, c->lin.am_i, c->lin.am_counter};
+    cuda_argmax(c->stream, be->dtype, ids, x, rows, n, &scr, c->lin.pdl);
     cu_check_launch(c, "argmax");
 }
 

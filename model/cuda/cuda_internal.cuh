@@ -204,9 +204,10 @@ void cuda_kv_write(cudaStream_t s, pd_dtype dt, void *k_cache, void *v_cache, co
 
 /* ---- launchers (cuda_layernorm.cu, cuda_flash.cu, cuda_attention.cu) ---- */
 
-/* x's rows are x_stride elements apart; y is dense [rows, dim]. */
+/* x's rows are x_stride elements apart; y is dense [rows, dim]. pdl: a
+ * programmatic dependent launch (see pdl_wait). */
 void cuda_layer_norm(cudaStream_t s, pd_dtype dt, void *y, const void *x, int x_stride,
-                     const void *w, const void *b, int rows, int dim, float eps);
+                     const void *w, const void *b, int rows, int dim, float eps, int pdl);
 
 /* Tensor-core attention for prefills (cuda_flash.cu), used by
  * cuda_paged_attention. _fits says, from the host-side arguments only,
@@ -251,8 +252,22 @@ bool cuda_decode_attention(cudaStream_t s, pd_dtype dt, void *out, const void *q
 
 /* ---- launchers (cuda_sample.cu) ---- */
 
-/* ids[r] = index of the largest of row r of x [rows, n] (lowest on ties). */
-void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n);
+/* Scratch of the split argmax (cuda_sample.cu): per-part bests of
+ * CUDA_ARGMAX_SPLIT_ROWS rows, and a counter that is zero between calls. */
+#define CUDA_ARGMAX_SPLIT_ROWS 8
+#define CUDA_ARGMAX_PARTS 16
+typedef struct cuda_argmax_scratch {
+    float *v;     /* [rows][CUDA_ARGMAX_PARTS] */
+    int *i;       /* the same */
+    int *counter; /* one */
+} cuda_argmax_scratch;
+
+/* ids[r] = index of the largest of row r of x [rows, n] (lowest on ties).
+ * A few long rows (the LM head of a decode step) are split over
+ * CUDA_ARGMAX_PARTS blocks each when scratch is given (else NULL), the last
+ * block merging; pdl: a programmatic dependent launch. */
+void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n,
+                 const cuda_argmax_scratch *scratch, int pdl);
 /* ids[r] = a token drawn from row r of x with params[5 r ..]: temperature,
  * top_p, min_p, top_k, u (see cuda_sample.cu; backend.h's sample op). */
 void cuda_sample(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n,
@@ -283,7 +298,8 @@ typedef struct cuda_linear_env {
     size_t smem_max; /* dynamic shared memory the small-T kernels may ask for */
     int lt_next;     /* next cache slot to replace */
     cuda_lt_entry lt_cache[CUDA_LT_CACHE];
-    /* The fused argmax's per-block bests ([am_blocks][8] each) and its
+    /* The fused argmax's per-block bests ([am_blocks][8] each; also the split
+     * argmax's scratch, cuda_argmax_scratch) and its
      * finished-block counter (kept zeroed); owned here, cuda_linear_free. */
     float *am_v;
     int *am_i, *am_counter;

@@ -34,6 +34,7 @@ template <typename T>
 __global__ void layer_norm_kernel(T *y, const T *x, int x_stride, const T *w, const T *b, int dim,
                                   float eps) {
     pdl_trigger(); /* the next (PDL-launched) kernel may start loading its weights */
+    pdl_wait();    /* when PDL-launched itself: x is the previous kernel's */
     __shared__ float sh[32];
     const T *xr = x + (size_t)blockIdx.x * x_stride;
     T *yr = y + (size_t)blockIdx.x * dim;
@@ -55,9 +56,11 @@ __global__ void layer_norm_kernel(T *y, const T *x, int x_stride, const T *w, co
 }
 
 void cuda_layer_norm(cudaStream_t s, pd_dtype dt, void *y, const void *x, int x_stride,
-                     const void *w, const void *b, int rows, int dim, float eps) {
+                     const void *w, const void *b, int rows, int dim, float eps, int pdl) {
     if (rows <= 0 || dim <= 0) return;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cuda_launch_cfg(dim3(rows), dim3(LN_THREADS), 0, s, pdl, &attr);
     CUDA_DISPATCH(dt, E,
-                  layer_norm_kernel<E><<<rows, LN_THREADS, 0, s>>>(
-                      (E *)y, (const E *)x, x_stride, (const E *)w, (const E *)b, dim, eps))
+                  cudaLaunchKernelEx(&cfg, layer_norm_kernel<E>, (E *)y, (const E *)x, x_stride,
+                                     (const E *)w, (const E *)b, dim, eps))
 }

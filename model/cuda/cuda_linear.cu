@@ -635,9 +635,12 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
     env->smem_max = (size_t)optin > 4096 ? (size_t)optin - 4096 : 0;
     /* The grid of the MMA kernel is at most 3 blocks an SM (lin_small). */
     env->am_blocks = 3 * env->sm_count;
-    e = cudaMalloc((void **)&env->am_v, sizeof(float) * LIN_MAX_T * env->am_blocks);
-    if (e == cudaSuccess)
-        e = cudaMalloc((void **)&env->am_i, sizeof(int) * LIN_MAX_T * env->am_blocks);
+    /* Also the split argmax's scratch (cuda_argmax): at least its rows x parts. */
+    size_t am_n = (size_t)LIN_MAX_T * env->am_blocks;
+    if (am_n < CUDA_ARGMAX_SPLIT_ROWS * CUDA_ARGMAX_PARTS)
+        am_n = CUDA_ARGMAX_SPLIT_ROWS * CUDA_ARGMAX_PARTS;
+    e = cudaMalloc((void **)&env->am_v, sizeof(float) * am_n);
+    if (e == cudaSuccess) e = cudaMalloc((void **)&env->am_i, sizeof(int) * am_n);
     if (e == cudaSuccess) e = cudaMalloc((void **)&env->am_counter, sizeof(int));
     if (e == cudaSuccess) e = cudaMemset(env->am_counter, 0, sizeof(int));
     if (e != cudaSuccess) return e;
@@ -720,7 +723,10 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     const cudaLaunchConfig_t cfg =
         cuda_launch_cfg(dim3(blocks), dim3(LIN_THREADS), smem, env->stream, env->pdl, &attr);
     cudaLaunchKernelExC(&cfg, k, args); /* errors: cudaGetLastError */
-    if (argmax_after) cuda_argmax(env->stream, dt, argmax_after, p.y, p.T, p.out);
+    if (argmax_after) {
+        const cuda_argmax_scratch scr = {env->am_v, env->am_i, env->am_counter};
+        cuda_argmax(env->stream, dt, argmax_after, p.y, p.T, p.out, &scr, env->pdl);
+    }
     return true;
 }
 
@@ -844,7 +850,7 @@ int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x
 
     if (f->layer_norm) {
         cuda_layer_norm(env->stream, dt, f->ln_out, x, x_stride, f->ln_w, f->ln_b, T, in,
-                        f->ln_eps);
+                        f->ln_eps, env->pdl);
         x = f->ln_out;
         x_stride = in;
     }
@@ -871,6 +877,9 @@ int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x
     }
     if (f->activate && !act_done) cuda_activation(env->stream, dt, dst, (size_t)T * out, f->act);
     if (via_tmp) cuda_add(env->stream, dt, y, dst, (size_t)T * out);
-    if (f->argmax) cuda_argmax(env->stream, dt, f->argmax, y, T, out);
+    if (f->argmax) {
+        const cuda_argmax_scratch scr = {env->am_v, env->am_i, env->am_counter};
+        cuda_argmax(env->stream, dt, f->argmax, y, T, out, &scr, env->pdl);
+    }
     return 0;
 }

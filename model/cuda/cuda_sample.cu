@@ -51,8 +51,79 @@ __global__ void argmax_kernel(int32_t *ids, const T *x, int n) {
     if (lane == 0) ids[blockIdx.x] = idx < n ? idx : 0;
 }
 
-void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n) {
+/* The split argmax: block (part, row) finds the best of its slice of the
+ * row, publishes it, and the grid's last block merges each row's parts. The
+ * rule's order is total (cuda_argmax_take), so the parts may be merged in
+ * any order and the result is argmax_kernel's. */
+#define ARGMAX_SPLIT_THREADS 256
+template <typename T>
+__global__ void argmax_split_kernel(int32_t *ids, const T *x, int n, cuda_argmax_scratch scr) {
+    __shared__ float warp_v[ARGMAX_SPLIT_THREADS / 32];
+    __shared__ int warp_i[ARGMAX_SPLIT_THREADS / 32];
+    __shared__ int last;
+    pdl_trigger();
+    pdl_wait(); /* x is the previous kernel's */
+    const int part = blockIdx.x, r = blockIdx.y;
+    const T *row = x + (size_t)r * n;
+    constexpr int VEC = 16 / sizeof(T);
+    /* Slices of whole 16-byte pieces when the row is aligned, else of elements. */
+    const bool vec = (uintptr_t)row % 16 == 0 && n % VEC == 0;
+    const int unit = vec ? VEC : 1, units = n / unit;
+    const int per = (units + CUDA_ARGMAX_PARTS - 1) / CUDA_ARGMAX_PARTS;
+    const int u0 = part * per, u1 = min(units, u0 + per);
+    float v = -INFINITY;
+    int idx = n;
+    for (int u = u0 + threadIdx.x; u < u1; u += ARGMAX_SPLIT_THREADS) {
+        if (vec) {
+            const uint4 q = ((const uint4 *)row)[u];
+            const T *e = (const T *)&q;
+#pragma unroll
+            for (int k = 0; k < VEC; k++) {
+                const float f = to_f32(e[k]);
+                if (!isnan(f)) cuda_argmax_take(v, idx, f, u * VEC + k, n); /* NaN: never picked */
+            }
+        } else {
+            const float f = to_f32(row[u]);
+            if (!isnan(f)) cuda_argmax_take(v, idx, f, u, n);
+        }
+    }
+    cuda_argmax_warp(v, idx, n);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) warp_v[warp] = v, warp_i[warp] = idx;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < ARGMAX_SPLIT_THREADS / 32; w++)
+            cuda_argmax_take(v, idx, warp_v[w], warp_i[w], n);
+        scr.v[r * CUDA_ARGMAX_PARTS + part] = v;
+        scr.i[r * CUDA_ARGMAX_PARTS + part] = idx;
+        __threadfence();
+        const int blocks = (int)(gridDim.x * gridDim.y);
+        last = atomicAdd(scr.counter, 1) == blocks - 1;
+        if (last) *scr.counter = 0; /* ready for the next call */
+    }
+    __syncthreads();
+    if (!last || warp >= (int)gridDim.y) return;
+    __threadfence(); /* the other blocks' bests, through L2 (__ldcg) */
+    v = -INFINITY, idx = n;
+    if (lane < CUDA_ARGMAX_PARTS)
+        v = __ldcg(&scr.v[warp * CUDA_ARGMAX_PARTS + lane]),
+        idx = __ldcg(&scr.i[warp * CUDA_ARGMAX_PARTS + lane]);
+    cuda_argmax_warp(v, idx, n);
+    if (lane == 0) ids[warp] = idx < n ? idx : 0;
+}
+
+void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n,
+                 const cuda_argmax_scratch *scratch, int pdl) {
     if (rows <= 0 || n <= 0) return;
+    if (scratch && rows <= CUDA_ARGMAX_SPLIT_ROWS && n >= 64 * CUDA_ARGMAX_PARTS) {
+        cudaLaunchAttribute attr;
+        const cudaLaunchConfig_t cfg = cuda_launch_cfg(
+            dim3(CUDA_ARGMAX_PARTS, rows), dim3(ARGMAX_SPLIT_THREADS), 0, s, pdl, &attr);
+        CUDA_DISPATCH(dt, E,
+                      cudaLaunchKernelEx(&cfg, argmax_split_kernel<E>, ids, (const E *)x, n,
+                                         *scratch))
+        return;
+    }
     CUDA_DISPATCH(dt, E, argmax_kernel<E><<<rows, ARGMAX_THREADS, 0, s>>>(ids, (const E *)x, n))
 }
 
