@@ -529,7 +529,7 @@ static void cu_argmax(pd_backend *be, int32_t *ids, const void *x, int rows, int
     cuda_ctx *c = ctx_of(be);
     cu_enter(c);
     prof_start(c);
-    const cuda_argmax_scratch scr = {c->lin.am_v, c->lin.am_i, c->lin.am_counter};
+    const cuda_argmax_scratch scr = cuda_linear_argmax_scratch(&c->lin);
     cuda_argmax(c->stream, be->dtype, ids, x, rows, n, &scr, c->lin.pdl);
     cu_check_launch(c, "argmax");
 }

@@ -305,12 +305,18 @@ typedef struct cuda_linear_env {
     int *am_i, *am_counter;
     int am_blocks;
     /* How the LM head (a small-T call with very many outputs) runs
-     * (PDSERVE_CUDA_HEAD, for A/B timing): 0 "fused" the MMA kernel with the
-     * argmax fused, 1 "split" the MMA kernel then the argmax op, 2 "blas"
-     * (the default) layer norm + cuBLASLt + the argmax op. On an H200 the
-     * last is ~11 us a decode step faster at opt-125m (docs/benchmarks.md). */
-    int head_route;
+     * (PDSERVE_CUDA_HEAD, for A/B timing): "fused" the MMA kernel with the
+     * argmax fused, "split" the MMA kernel then the argmax op, "blas" (the
+     * default) layer norm + cuBLASLt + the argmax op. On an H200 the last
+     * is ~11 us a decode step faster at opt-125m (docs/benchmarks.md). */
+    enum { CUDA_HEAD_FUSED, CUDA_HEAD_SPLIT, CUDA_HEAD_BLAS } head_route;
 } cuda_linear_env;
+
+/* The argmax op's split scratch is the fused argmax's: the two never run
+ * at once (one stream, and each waits for the kernel before it). */
+static inline cuda_argmax_scratch cuda_linear_argmax_scratch(const cuda_linear_env *env) {
+    return cuda_argmax_scratch{env->am_v, env->am_i, env->am_counter};
+}
 
 /* Lift the kernels' dynamic shared memory limit and allocate the fused
  * argmax's buffers (once, at backend creation; not stream operations,

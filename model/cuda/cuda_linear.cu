@@ -630,7 +630,9 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
     const char *pdl = getenv("PDSERVE_CUDA_PDL");
     env->pdl = major >= 9 && !(pdl && strcmp(pdl, "0") == 0);
     const char *head = getenv("PDSERVE_CUDA_HEAD");
-    env->head_route = !head ? 2 : !strcmp(head, "fused") ? 0 : !strcmp(head, "split") ? 1 : 2;
+    env->head_route = head && !strcmp(head, "fused")   ? cuda_linear_env::CUDA_HEAD_FUSED
+                      : head && !strcmp(head, "split") ? cuda_linear_env::CUDA_HEAD_SPLIT
+                                                       : cuda_linear_env::CUDA_HEAD_BLAS;
     /* The kernels' static shared memory (the partial sums) comes off the top. */
     env->smem_max = (size_t)optin > 4096 ? (size_t)optin - 4096 : 0;
     /* The grid of the MMA kernel is at most 3 blocks an SM (lin_small). */
@@ -677,7 +679,7 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     lin_params p = base;
     if (p.T > LIN_MAX_T) return false;
     const bool lm_head = p.out >= LIN_HEAD_OUT;
-    if (lm_head && env->head_route == 2) return false;
+    if (lm_head && env->head_route == cuda_linear_env::CUDA_HEAD_BLAS) return false;
     const size_t es = pd_dtype_size(dt);
     const bool w_vec = lin_aligned16(p.w) && (p.in * es) % 16 == 0;
     const bool mma = dt != PD_F32 && env->mma_ok && w_vec;
@@ -712,7 +714,8 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     /* The argmax rides in the MMA kernel; the FMA kernel's rows get the
      * argmax op after it. */
     int32_t *argmax_after = NULL;
-    if (p.argmax && (!mma || (int)blocks > env->am_blocks || (lm_head && env->head_route == 1))) {
+    if (p.argmax && (!mma || (int)blocks > env->am_blocks ||
+                     (lm_head && env->head_route == cuda_linear_env::CUDA_HEAD_SPLIT))) {
         argmax_after = p.argmax;
         p.argmax = NULL;
     }
@@ -724,7 +727,7 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
         cuda_launch_cfg(dim3(blocks), dim3(LIN_THREADS), smem, env->stream, env->pdl, &attr);
     cudaLaunchKernelExC(&cfg, k, args); /* errors: cudaGetLastError */
     if (argmax_after) {
-        const cuda_argmax_scratch scr = {env->am_v, env->am_i, env->am_counter};
+        const cuda_argmax_scratch scr = cuda_linear_argmax_scratch(env);
         cuda_argmax(env->stream, dt, argmax_after, p.y, p.T, p.out, &scr, env->pdl);
     }
     return true;
@@ -878,7 +881,7 @@ int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x
     if (f->activate && !act_done) cuda_activation(env->stream, dt, dst, (size_t)T * out, f->act);
     if (via_tmp) cuda_add(env->stream, dt, y, dst, (size_t)T * out);
     if (f->argmax) {
-        const cuda_argmax_scratch scr = {env->am_v, env->am_i, env->am_counter};
+        const cuda_argmax_scratch scr = cuda_linear_argmax_scratch(env);
         cuda_argmax(env->stream, dt, f->argmax, y, T, out, &scr, env->pdl);
     }
     return 0;
