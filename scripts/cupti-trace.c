@@ -15,6 +15,7 @@
  * A development tool, not part of pdserve: CUPTI's own cost (a record per
  * kernel) makes every figure a little larger than without it. */
 #include <cupti.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,14 +26,17 @@ typedef struct trace_rec {
     char name[96];
 } trace_rec;
 
-/* The records collected so far (CUPTI calls back on its own thread, but
- * only one buffer at a time completes per flush, and exit flushes once). */
+/* The records collected so far. CUPTI hands over full buffers on a thread
+ * of its own and the exit flush runs on the program's, so the records are
+ * taken under a lock. */
 typedef struct trace_state {
+    pthread_mutex_t lock;
     trace_rec *recs;
     size_t n, cap;
 } trace_state;
 
-static trace_state g_trace; /* an injection library has no other place for it */
+/* An injection library has no other place for it. */
+static trace_state g_trace = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static void trace_add(uint64_t start, uint64_t end, const char *name) {
     if (g_trace.n == g_trace.cap) {
@@ -73,6 +77,7 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
     (void)stream;
     (void)size;
     CUpti_Activity *rec = NULL;
+    pthread_mutex_lock(&g_trace.lock);
     while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
         if (rec->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) {
             const CUpti_ActivityKernel10 *k = (const CUpti_ActivityKernel10 *)rec;
@@ -82,15 +87,18 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
             trace_add(m->start, m->end, copy_name(m->copyKind));
         }
     }
+    pthread_mutex_unlock(&g_trace.lock);
     free(buffer);
 }
 
 static void trace_write(void) {
     cuptiActivityFlushAll(1);
+    pthread_mutex_lock(&g_trace.lock);
     const char *path = getenv("PDSERVE_TRACE_OUT");
     FILE *f = fopen(path && *path ? path : "cupti-trace.csv", "w");
     if (!f) {
         fprintf(stderr, "cupti-trace: cannot write %s\n", path ? path : "cupti-trace.csv");
+        pthread_mutex_unlock(&g_trace.lock);
         return;
     }
     fprintf(f, "start_ns,duration_ns,name\n");
@@ -102,6 +110,8 @@ static void trace_write(void) {
     fprintf(stderr, "cupti-trace: %zu records\n", g_trace.n);
     free(g_trace.recs);
     g_trace.recs = NULL;
+    g_trace.n = g_trace.cap = 0;
+    pthread_mutex_unlock(&g_trace.lock);
 }
 
 /* Called by the CUDA driver when it loads this library (CUDA_INJECTION64_PATH). */
