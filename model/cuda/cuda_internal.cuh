@@ -310,6 +310,11 @@ typedef struct cuda_linear_env {
      * default) layer norm + cuBLASLt + the argmax op. On an H200 the last
      * is ~11 us a decode step faster at opt-125m (docs/benchmarks.md). */
     enum { CUDA_HEAD_FUSED, CUDA_HEAD_SPLIT, CUDA_HEAD_BLAS } head_route;
+    /* Tiles a block of the MMA kernel takes at T = 1 (PDSERVE_CUDA_T1_NTILE:
+     * 1, the default, 2 or 4; for A/B timing). Fewer, fatter blocks for qkv
+     * and fc1 may let the next linear's blocks become resident sooner; not
+     * measured yet (docs/cuda-backend.md, Not done yet). */
+    int t1_ntile;
 } cuda_linear_env;
 
 /* The argmax op's split scratch is the fused argmax's: the two never run

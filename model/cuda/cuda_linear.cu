@@ -633,6 +633,8 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
     env->head_route = head && !strcmp(head, "fused")   ? cuda_linear_env::CUDA_HEAD_FUSED
                       : head && !strcmp(head, "split") ? cuda_linear_env::CUDA_HEAD_SPLIT
                                                        : cuda_linear_env::CUDA_HEAD_BLAS;
+    const char *t1 = getenv("PDSERVE_CUDA_T1_NTILE");
+    env->t1_ntile = t1 && (!strcmp(t1, "2") || !strcmp(t1, "4")) ? atoi(t1) : 1;
     /* The kernels' static shared memory (the partial sums) comes off the top. */
     env->smem_max = (size_t)optin > 4096 ? (size_t)optin - 4096 : 0;
     /* The grid of the MMA kernel is at most 3 blocks an SM (lin_small). */
@@ -695,6 +697,7 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     /* More tiles per block share one copy of x (less L2 traffic as T
      * grows), fewer give more blocks (better spread over the SMs). */
     int ntile = p.T <= 2 ? 1 : p.T <= 4 ? 2 : 4;
+    if (p.T == 1) ntile = env->t1_ntile;
     /* Very many outputs (the LM head: 50,272) leave blocks enough at 4
      * tiles, and each block's fixed cost (staging and normalising x) is
      * then paid a quarter as often. */
