@@ -183,6 +183,16 @@ struct pd_backend {
     int (*graph_end)(pd_backend *be, void **graph, pd_err *err);
     int (*graph_launch)(pd_backend *be, void *graph, pd_err *err);
     void (*graph_free)(pd_backend *be, void *graph);
+    /* Markers in the queue of work, so the host can wait for a part of it
+     * while later work stays queued (a step computed while the host reads
+     * the one before). NULL where every op has finished when it returns
+     * (the CPU). event_record places ev after everything queued so far
+     * (never inside a graph capture); event_wait returns once that work is
+     * done and reports a deferred error as sync does. */
+    int (*event_create)(pd_backend *be, void **ev, pd_err *err);
+    int (*event_record)(pd_backend *be, void *ev, pd_err *err);
+    int (*event_wait)(pd_backend *be, void *ev, pd_err *err);
+    void (*event_free)(pd_backend *be, void *ev); /* NULL is fine */
 
     void (*destroy)(pd_backend *be);
 };

@@ -31,8 +31,10 @@ typedef struct opt_scratch {
     void *last;         /* [n_logits, max(h, w)] rows that want logits */
     void *last_w;       /* [n_logits, w] after project_out */
     void *logits;       /* [n_logits, V] */
-    int32_t *ids;       /* [n_logits] greedy picks or draws (device, or host
-                         * memory the backend writes where ids_mapped) */
+    int32_t *ids[2];    /* [n_logits] greedy picks or draws (device, or host
+                         * memory the backend writes where ids_mapped); two,
+                         * so that a queued step (opt_forward_queue) writes
+                         * one while the host reads the other */
     bool ids_mapped;    /* ids is host_alloc memory (pd_backend.host_mapped) */
     float *sample_dev;  /* [n_logits, 5] sampling parameters (device) */
     void *meta_dev;     /* int32 [cap_meta] */
@@ -50,11 +52,37 @@ typedef struct opt_graphs {
     const opt_kv_storage *kv;         /* the storage the recordings write into */
     int max_blocks;                   /* block-table row length in the recordings */
     void *meta_dev;                   /* fixed metadata buffer the recordings read */
-    int32_t *meta_host;               /* its host staging (host_alloc) */
-    size_t meta_cap;                  /* int32 entries of both */
-    void *exec[OPT_GRAPH_SIZES];      /* recordings by size index (NULL: not yet) */
+    int32_t *meta_host[2];            /* its host staging (host_alloc), by picks buffer */
+    size_t meta_cap;                  /* int32 entries of each */
+    /* Recordings by size index and variant (NULL: not yet): variant = 2 *
+     * picks buffer + whether the tokens are the other buffer's picks (a
+     * chained step of opt_forward_queue); plain steps use variant 0. */
+    void *exec[OPT_GRAPH_SIZES][4];
+    int last_variant[OPT_GRAPH_SIZES]; /* the variant replayed last (opt_model_time_graph) */
     int replays, captures;            /* for logs and tests */
 } opt_graphs;
+
+/* Steps queued by opt_forward_queue and not yet handed out by
+ * opt_forward_wait, oldest first. Each writes its picks into its own
+ * buffer s.ids[buf]; done: already waited for, its picks in picks[buf]. */
+typedef struct opt_pending {
+    int n_rows, buf;
+    bool done;
+} opt_pending;
+typedef struct opt_ahead {
+    opt_pending q[2];
+    int head, n;
+    int next_buf;       /* the picks buffer the next queued step writes */
+    int dev_rows;       /* rows of the newest step's picks in s.ids[next_buf ^ 1]; -1: not there */
+    int last_rows;      /* rows of last_picks (the step handed out last); -1: none */
+    int cap;            /* rows of picks, last_picks, steps and tokens */
+    int32_t *picks[2];  /* host copies by buffer */
+    int32_t *last_picks;
+    opt_seq_step *steps; /* a chained step with its tokens filled in */
+    int32_t *tokens;
+    float *params_host[2]; /* sampling parameters by buffer (host_alloc), cap * 5 */
+    void *event[2];        /* recorded after each buffer's step */
+} opt_ahead;
 
 struct opt_model {
     opt_config cfg;
@@ -67,9 +95,11 @@ struct opt_model {
     opt_layer_dev *layers;
     opt_scratch s;
     opt_graphs g;
+    opt_ahead ahead;
 };
 
 static void graphs_drop(opt_model *m);
+static void ahead_free(opt_model *m);
 static void graphs_free(opt_model *m);
 
 struct opt_kv_storage {
@@ -303,26 +333,35 @@ static void host_free(pd_backend *be, void *p) {
  * there (the step then ends with its ids already on the host), else device
  * memory with ids_host to copy them through. */
 static void ids_free(pd_backend *be, opt_scratch *s) {
-    if (s->ids_mapped)
-        host_free(be, s->ids);
-    else
-        be->free(be, s->ids);
+    for (int b = 0; b < 2; b++) {
+        if (s->ids_mapped)
+            host_free(be, s->ids[b]);
+        else
+            be->free(be, s->ids[b]);
+        s->ids[b] = NULL;
+    }
     host_free(be, s->ids_host);
-    s->ids = s->ids_host = NULL;
+    s->ids_host = NULL;
     s->ids_mapped = false;
 }
+/* Both buffers start as valid ids (zeros): a chained step's embedding may
+ * read rows of a buffer that no step wrote yet (its padding rows). */
 static int ids_alloc(pd_backend *be, opt_scratch *s, int cap, pd_err *err) {
     const size_t bytes = (size_t)cap * sizeof(int32_t);
     if (be->host_mapped && be->host_alloc) {
-        s->ids = host_alloc(be, bytes);
-        s->ids_mapped = s->ids != NULL;
-        if (s->ids) return 0;
-        return pd_fail(err, "opt forward: out of host memory for %d ids", cap);
+        s->ids_mapped = true;
+        for (int b = 0; b < 2; b++) {
+            s->ids[b] = host_alloc(be, bytes);
+            if (!s->ids[b]) return pd_fail(err, "opt forward: out of host memory for %d ids", cap);
+            memset(s->ids[b], 0, bytes);
+        }
+        return 0;
     }
-    s->ids = be->alloc(be, bytes, err);
-    s->ids_host = s->ids ? host_alloc(be, bytes) : NULL;
+    for (int b = 0; b < 2; b++)
+        if (!(s->ids[b] = be->alloc(be, bytes, err))) return -1;
+    s->ids_host = host_alloc(be, bytes);
     if (s->ids_host) return 0;
-    return s->ids ? pd_fail(err, "opt forward: out of host memory for %d ids", cap) : -1;
+    return pd_fail(err, "opt forward: out of host memory for %d ids", cap);
 }
 
 static void scratch_free(pd_backend *be, opt_scratch *s) {
@@ -341,6 +380,7 @@ static void scratch_free(pd_backend *be, opt_scratch *s) {
 
 void opt_model_free(opt_model *m) {
     if (!m) return;
+    ahead_free(m);
     graphs_free(m);
     scratch_free(m->be, &m->s);
     if (m->weights) m->be->free(m->be, m->weights);
@@ -691,9 +731,9 @@ static void ffn_block(opt_model *m, const opt_layer_dev *L, int T, bool pre_ln, 
 /* Queue the whole step on the backend (no copies, no syncs: this same code
  * is what a graph capture records): embeddings, every layer, and for the
  * rows that want logits the final LN, project_out, lm_head and, where the
- * backend can, the greedy pick into s->ids. */
+ * backend can, the greedy pick into picks (one of s->ids). */
 static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *meta, int n_logits,
-                        const int32_t *logit_rows) {
+                        const int32_t *logit_rows, int32_t *picks) {
     pd_backend *be = m->be;
     const opt_config *c = &m->cfg;
     const int h = c->hidden_size, wd = c->word_embed_proj_dim, T = meta->n_tokens;
@@ -755,15 +795,15 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
         head = final_ln;
         head_in = last_in;
     }
-    head.argmax = pick_in_head ? s->ids : NULL;
+    head.argmax = pick_in_head ? picks : NULL;
     linear(be, s->logits, head_in, wd, m->lm_head, NULL, n_logits, wd, c->vocab_size, &head);
-    if (be->argmax && !pick_in_head) be->argmax(be, s->ids, s->logits, n_logits, c->vocab_size);
+    if (be->argmax && !pick_in_head) be->argmax(be, picks, s->logits, n_logits, c->vocab_size);
 }
 
 /* Copy the step's results out: logits rows and/or picks (greedy, or drawn
- * on the device with sample_params). */
+ * on the device with sample_params) from picks buffer buf. */
 static int read_outputs(opt_model *m, int n_logits, float *logits, int32_t *ids,
-                        const float *sample_params, pd_err *err) {
+                        const float *sample_params, int buf, pd_err *err) {
     pd_backend *be = m->be;
     const int V = m->cfg.vocab_size;
     if (n_logits == 0) return be->sync(be, err);
@@ -772,7 +812,7 @@ static int read_outputs(opt_model *m, int n_logits, float *logits, int32_t *ids,
         if (copy_meta(be, m->s.sample_dev, sample_params, sizeof(float) * 5 * (size_t)n_logits,
                       err) != 0)
             return pd_wrap(err, "opt forward: sampling parameters");
-        be->sample(be, m->s.ids, m->s.logits, n_logits, V, m->s.sample_dev);
+        be->sample(be, m->s.ids[buf], m->s.logits, n_logits, V, m->s.sample_dev);
     }
     if (logits &&
         be->download_f32(be, logits, m->s.logits, (size_t)n_logits * V, err) != 0)
@@ -782,10 +822,10 @@ static int read_outputs(opt_model *m, int n_logits, float *logits, int32_t *ids,
         const size_t bytes = sizeof(int32_t) * (size_t)n_logits;
         if (m->s.ids_mapped) { /* written in place by the step's last op */
             if (be->sync(be, err) != 0) return pd_wrap(err, "opt forward: sampled ids");
-            memcpy(ids, m->s.ids, bytes);
+            memcpy(ids, m->s.ids[buf], bytes);
             return 0;
         }
-        if (be->copy_d2h(be, m->s.ids_host, m->s.ids, bytes, err) != 0)
+        if (be->copy_d2h(be, m->s.ids_host, m->s.ids[buf], bytes, err) != 0)
             return pd_wrap(err, "opt forward: sampled ids");
         memcpy(ids, m->s.ids_host, bytes);
         return 0;
@@ -833,19 +873,22 @@ static int graph_index_for(int n) {
 
 static void graphs_drop(opt_model *m) {
     opt_graphs *g = &m->g;
-    for (int i = 0; i < OPT_GRAPH_SIZES; i++) {
-        if (g->exec[i]) m->be->graph_free(m->be, g->exec[i]);
-        g->exec[i] = NULL;
-    }
+    for (int i = 0; i < OPT_GRAPH_SIZES; i++)
+        for (int v = 0; v < 4; v++) {
+            if (g->exec[i][v]) m->be->graph_free(m->be, g->exec[i][v]);
+            g->exec[i][v] = NULL;
+        }
     g->kv = NULL;
 }
 
 static void graphs_free(opt_model *m) {
     graphs_drop(m);
     m->be->free(m->be, m->g.meta_dev);
-    host_free(m->be, m->g.meta_host);
     m->g.meta_dev = NULL;
-    m->g.meta_host = NULL;
+    for (int b = 0; b < 2; b++) {
+        host_free(m->be, m->g.meta_host[b]);
+        m->g.meta_host[b] = NULL;
+    }
     m->g.meta_cap = 0;
 }
 
@@ -887,7 +930,8 @@ int opt_model_time_graph(opt_model *m, int n_seqs, int reps, double *seconds, pd
     opt_graphs *g = &m->g;
     if (!g->enabled || n_seqs < 1 || n_seqs > g->max_batch || reps < 1 || g->replays == 0)
         return pd_fail(err, "opt graphs: no decode graph step of batch %d has run", n_seqs);
-    void *exec = g->exec[graph_index_for(n_seqs)];
+    const int idx = graph_index_for(n_seqs);
+    void *exec = g->exec[idx][g->last_variant[idx]];
     if (!exec) return pd_fail(err, "opt graphs: batch %d has no recording", n_seqs);
     if (m->be->sync(m->be, err) != 0) return -1;
     const double t0 = pd_now();
@@ -922,10 +966,12 @@ static int graphs_attach(opt_model *m, opt_kv_storage *kv, pd_err *err) {
     const size_t need = meta_entries(B_max, B_max, MB, B_max); /* B tokens, seqs, logit rows */
     if (need > g->meta_cap) {
         be->free(be, g->meta_dev);
-        host_free(be, g->meta_host);
         g->meta_dev = be->alloc(be, need * sizeof(int32_t), err);
-        g->meta_host = host_alloc(be, need * sizeof(int32_t));
-        g->meta_cap = g->meta_dev && g->meta_host ? need : 0;
+        for (int b = 0; b < 2; b++) {
+            host_free(be, g->meta_host[b]);
+            g->meta_host[b] = host_alloc(be, need * sizeof(int32_t));
+        }
+        g->meta_cap = g->meta_dev && g->meta_host[0] && g->meta_host[1] ? need : 0;
         if (!g->meta_cap) {
             graphs_free(m);
             return pd_fail(err, "opt graphs: out of memory for step metadata");
@@ -936,25 +982,28 @@ static int graphs_attach(opt_model *m, opt_kv_storage *kv, pd_err *err) {
     return 0;
 }
 
-/* Records the decode step of padded batch graph_size_at(idx), whose
- * metadata (laid out for meta_dev's place) is meta, n_meta entries. The
- * recording starts with the metadata's copy from meta_host, so a replay
- * is the host's one call: the step's metadata written there, then the
- * launch. */
-static int graph_record(opt_model *m, opt_kv_storage *kv, int idx, const pd_step_meta *meta,
+/* Records variant v (see opt_graphs.exec) of the decode step of padded
+ * batch graph_size_at(idx), whose metadata (laid out for meta_dev's place)
+ * is meta, n_meta entries. The recording starts with the metadata's copy
+ * from meta_host[buf], so a replay is the host's one call: the step's
+ * metadata written there, then the launch. A chained variant's embedding
+ * reads its tokens from the other buffer's picks, row for row. */
+static int graph_record(opt_model *m, opt_kv_storage *kv, int idx, int v, const pd_step_meta *meta,
                         size_t n_meta, const int32_t *logit_rows, pd_err *err) {
     pd_backend *be = m->be;
     opt_graphs *g = &m->g;
-    const int B = graph_size_at(idx);
+    const int B = graph_size_at(idx), buf = v >> 1;
+    pd_step_meta rec = *meta;
+    if (v & 1) rec.token_ids = m->s.ids[buf ^ 1];
     if (be->graph_begin(be, err) != 0) return -1;
-    if (copy_meta(be, g->meta_dev, g->meta_host, n_meta * sizeof(int32_t), err) != 0) {
+    if (copy_meta(be, g->meta_dev, g->meta_host[buf], n_meta * sizeof(int32_t), err) != 0) {
         void *dropped = NULL;
         pd_err ignored;
         if (be->graph_end(be, &dropped, &ignored) == 0) be->graph_free(be, dropped);
         return pd_wrap(err, "opt graphs: recording the metadata copy");
     }
-    forward_ops(m, kv, meta, B, logit_rows);
-    if (be->graph_end(be, &g->exec[idx], err) != 0) return pd_wrap(err, "opt graphs: batch %d", B);
+    forward_ops(m, kv, &rec, B, logit_rows, m->s.ids[buf]);
+    if (be->graph_end(be, &g->exec[idx][v], err) != 0) return pd_wrap(err, "opt graphs: batch %d", B);
     g->captures++;
     pd_log(PD_LOG_DEBUG, "opt: recorded the decode step of batch %d as a graph", B);
     return 0;
@@ -967,23 +1016,24 @@ int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, int *recorded, pd_
     const int last = graph_index_for(g->max_batch), B_max = graph_size_at(last);
     if (scratch_reserve(m, B_max, B_max, 1, err) != 0 || graphs_attach(m, kv, err) != 0) return -1;
     for (int idx = 0; idx <= last; idx++) {
-        if (g->exec[idx]) continue;
+        if (g->exec[idx][0]) continue;
         const int B = graph_size_at(idx);
         pd_step_meta meta;
         const int32_t *logit_rows = NULL;
         /* Padding sequences only: the recording depends on the sizes, and
          * nothing runs until a real step's metadata is in place. */
-        const size_t n = fill_meta(g->meta_host, (const int32_t *)g->meta_dev, kv, NULL, 0, B, B,
+        const size_t n = fill_meta(g->meta_host[0], (const int32_t *)g->meta_dev, kv, NULL, 0, B, B,
                                    B, g->max_blocks, 0, &meta, &logit_rows);
-        if (graph_record(m, kv, idx, &meta, n, logit_rows, err) != 0) return -1;
+        if (graph_record(m, kv, idx, 0, &meta, n, logit_rows, err) != 0) return -1;
         if (recorded) (*recorded)++;
     }
     return 0;
 }
 
-/* Run a decode step through its recording (recording it first if needed). */
-static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
-                         float *logits, int32_t *ids, const float *sample_params, pd_err *err) {
+/* Queue a decode step through recording variant v (recording it first if
+ * needed); its picks land in s.ids[v >> 1]. */
+static int graph_launch_step(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                             int v, pd_err *err) {
     pd_backend *be = m->be;
     opt_graphs *g = &m->g;
     const int idx = graph_index_for(n_seqs), B = graph_size_at(idx);
@@ -991,23 +1041,28 @@ static int graph_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *s
     pd_step_meta meta;
     const int32_t *logit_rows = NULL;
     /* shared_tables 0: graph_step_fits let no shared table through */
-    /* The recording copies meta_host to meta_dev as its first node. */
-    const size_t n = fill_meta(g->meta_host, (const int32_t *)g->meta_dev, kv, seqs, n_seqs, B, B, B,
-                               g->max_blocks, 0, &meta, &logit_rows);
-    if (!g->exec[idx] && graph_record(m, kv, idx, &meta, n, logit_rows, err) != 0) return -1;
-    if (be->graph_launch(be, g->exec[idx], err) != 0) return -1;
+    /* The recording copies meta_host[buf] to meta_dev as its first node. */
+    const size_t n = fill_meta(g->meta_host[v >> 1], (const int32_t *)g->meta_dev, kv, seqs, n_seqs, B,
+                               B, B, g->max_blocks, 0, &meta, &logit_rows);
+    if (!g->exec[idx][v] && graph_record(m, kv, idx, v, &meta, n, logit_rows, err) != 0) return -1;
+    if (be->graph_launch(be, g->exec[idx][v], err) != 0) return -1;
+    g->last_variant[idx] = v;
     g->replays++;
-    return read_outputs(m, n_seqs, logits, ids, sample_params, err);
+    return 0;
 }
 
-int opt_forward_ex(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
-                   float *logits, int32_t *ids, const float *sample_params, pd_err *err) {
+/* One step, run to the end: through a recording where it fits, else op by
+ * op; the device's picks (if any) land in s.ids[buf]. Nothing queued ahead
+ * may be in flight (the scratch buffers may move). */
+static int forward_sync(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                        float *logits, int32_t *ids, const float *sample_params, int buf, pd_err *err) {
     int T = 0, n_logits = 0, max_blocks = 0;
     if (validate_step(m, kv, seqs, n_seqs, logits || ids, &T, &n_logits, &max_blocks, err) != 0)
         return -1;
     if (T == 0) return 0;
     if (graph_step_fits(m, seqs, n_seqs)) {
-        if (graph_forward(m, kv, seqs, n_seqs, logits, ids, sample_params, err) == 0) return 0;
+        if (graph_launch_step(m, kv, seqs, n_seqs, 2 * buf, err) == 0)
+            return read_outputs(m, n_seqs, logits, ids, sample_params, buf, err);
         /* A backend that cannot record this step still runs it eagerly. */
         pd_log(PD_LOG_WARN, "opt: decode graphs turned off: %s", err->msg);
         graphs_free(m);
@@ -1022,8 +1077,190 @@ int opt_forward_ex(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, i
                                &logit_rows);
     if (copy_meta(m->be, m->s.meta_dev, m->s.meta_host, n * sizeof(int32_t), err) != 0)
         return pd_wrap(err, "opt forward: step metadata");
-    forward_ops(m, kv, &meta, n_logits, logit_rows);
-    return read_outputs(m, n_logits, logits, ids, sample_params, err);
+    forward_ops(m, kv, &meta, n_logits, logit_rows, m->s.ids[buf]);
+    return read_outputs(m, n_logits, logits, ids, sample_params, buf, err);
+}
+
+/* ---- steps queued ahead ---- */
+
+/* Wait for one queued step and keep its picks on the host. */
+static int pending_finish(opt_model *m, opt_pending *p, pd_err *err) {
+    if (p->done) return 0;
+    opt_ahead *a = &m->ahead;
+    p->done = true; /* whatever the outcome: waited for once */
+    if (m->be->event_wait(m->be, a->event[p->buf], err) != 0)
+        return pd_wrap(err, "opt forward: a queued step");
+    memcpy(a->picks[p->buf], m->s.ids[p->buf], sizeof(int32_t) * (size_t)p->n_rows);
+    return 0;
+}
+
+static int ahead_drain(opt_model *m, pd_err *err) {
+    opt_ahead *a = &m->ahead;
+    for (int k = 0; k < a->n; k++)
+        if (pending_finish(m, &a->q[(a->head + k) % 2], err) != 0) return -1;
+    return 0;
+}
+
+static void ahead_free(opt_model *m) {
+    opt_ahead *a = &m->ahead;
+    pd_err ignored;
+    ahead_drain(m, &ignored);
+    for (int b = 0; b < 2; b++) {
+        free(a->picks[b]);
+        host_free(m->be, a->params_host[b]);
+        if (a->event[b] && m->be->event_free) m->be->event_free(m->be, a->event[b]);
+    }
+    free(a->last_picks);
+    free(a->steps);
+    free(a->tokens);
+    memset(a, 0, sizeof *a);
+}
+
+/* Room for steps of rows rows (realloc keeps the picks of done steps). */
+static int ahead_reserve(opt_model *m, int rows, pd_err *err) {
+    opt_ahead *a = &m->ahead;
+    if (rows <= a->cap) return 0;
+    const size_t n = (size_t)rows;
+    int32_t *p0 = realloc(a->picks[0], n * sizeof(int32_t));
+    if (p0) a->picks[0] = p0;
+    int32_t *p1 = p0 ? realloc(a->picks[1], n * sizeof(int32_t)) : NULL;
+    if (p1) a->picks[1] = p1;
+    int32_t *lp = p1 ? realloc(a->last_picks, n * sizeof(int32_t)) : NULL;
+    if (lp) a->last_picks = lp;
+    opt_seq_step *st = lp ? realloc(a->steps, n * sizeof *st) : NULL;
+    if (st) a->steps = st;
+    int32_t *tk = st ? realloc(a->tokens, n * sizeof(int32_t)) : NULL;
+    if (tk) a->tokens = tk;
+    if (!tk) return pd_fail(err, "opt forward: out of memory for a queued step of %d rows", rows);
+    for (int b = 0; b < 2; b++) {
+        host_free(m->be, a->params_host[b]);
+        a->params_host[b] = host_alloc(m->be, n * 5 * sizeof(float));
+        if (!a->params_host[b])
+            return pd_fail(err, "opt forward: out of memory for sampling parameters");
+    }
+    a->cap = rows;
+    return 0;
+}
+
+/* Whether a step can be queued without waiting: a decode graph, picks the
+ * host can read in place once the step's event says so. */
+static bool ahead_async(const opt_model *m, const opt_kv_storage *kv, const opt_seq_step *seqs,
+                        int n_seqs) {
+    const pd_backend *be = m->be;
+    if (!(be->event_create && be->event_record && be->event_wait && be->argmax && m->s.ids_mapped))
+        return false;
+    if (!graph_step_fits(m, seqs, n_seqs)) return false;
+    /* Nothing may move under a step in flight: the recording's buffers are
+     * in place already (opt_model_set_graphs reserved them). */
+    const int B = graph_size_at(graph_index_for(n_seqs));
+    return B <= m->s.cap_tokens && B <= m->s.cap_logits && m->g.kv == kv;
+}
+
+int opt_forward_queue(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                      const float *sample_params, const int32_t *chain_rows, pd_err *err) {
+    opt_ahead *a = &m->ahead;
+    pd_backend *be = m->be;
+    if (a->n == 2)
+        return pd_fail(err, "opt forward: two steps are queued already; wait for the older first");
+    if (n_seqs < 1) return pd_fail(err, "opt forward: a queued step needs a sequence");
+    for (int i = 0; i < n_seqs; i++)
+        if (!seqs[i].want_logits)
+            return pd_fail(err, "opt forward: sequence %d of a queued step wants no logits", i);
+    if (sample_params && !be->sample)
+        return pd_fail(err, "opt forward: the %s backend cannot sample", be->name);
+    const opt_pending *prev = a->n ? &a->q[(a->head + a->n - 1) % 2] : NULL;
+    const int prev_rows = prev ? prev->n_rows : a->last_rows;
+    bool identity = chain_rows != NULL;
+    if (chain_rows) {
+        if (prev_rows < 0) return pd_fail(err, "opt forward: a chained step with no step before it");
+        for (int i = 0; i < n_seqs; i++) {
+            if (chain_rows[i] < -1 || chain_rows[i] >= prev_rows)
+                return pd_fail(err, "opt forward: sequence %d chains row %d of a step of %d rows", i,
+                               chain_rows[i], prev_rows);
+            if (chain_rows[i] >= 0 && seqs[i].n_tokens != 1)
+                return pd_fail(err, "opt forward: chained sequence %d has %d new tokens, not 1", i,
+                               seqs[i].n_tokens);
+            if (chain_rows[i] != i) identity = false;
+        }
+    }
+    if (ahead_reserve(m, n_seqs, err) != 0) return -1;
+    /* Chained tokens are read on the device when the rows line up with the
+     * step before (its picks still in the other buffer); else that step is
+     * waited for and its picks written in as ordinary tokens. */
+    const bool device_chain =
+        identity && a->dev_rows >= n_seqs && ahead_async(m, kv, seqs, n_seqs);
+    const opt_seq_step *run = seqs;
+    if (chain_rows) {
+        if (!device_chain && ahead_drain(m, err) != 0) return -1;
+        const int32_t *from = prev ? a->picks[prev->buf] : a->last_picks;
+        for (int i = 0; i < n_seqs; i++) {
+            a->steps[i] = seqs[i];
+            if (chain_rows[i] < 0) continue;
+            /* 0 stands in for validation when the device reads the real one. */
+            a->tokens[i] = device_chain ? 0 : from[chain_rows[i]];
+            a->steps[i].tokens = &a->tokens[i];
+        }
+        run = a->steps;
+    }
+    const int buf = a->next_buf;
+    opt_pending *p = &a->q[(a->head + a->n) % 2];
+    /* meta_host[buf] and params_host[buf] were last read by the step two
+     * before, which has been handed out already. */
+    if (ahead_async(m, kv, run, n_seqs)) {
+        int T = 0, n_logits = 0, max_blocks = 0;
+        if (validate_step(m, kv, run, n_seqs, true, &T, &n_logits, &max_blocks, err) != 0) return -1;
+        if (!a->event[buf] && be->event_create(be, &a->event[buf], err) != 0) return -1;
+        if (graph_launch_step(m, kv, run, n_seqs, 2 * buf + device_chain, err) != 0) return -1;
+        if (sample_params) { /* the copy reads them when it runs: opt's own copy */
+            memcpy(a->params_host[buf], sample_params, sizeof(float) * 5 * (size_t)n_seqs);
+            if (copy_meta(be, m->s.sample_dev, a->params_host[buf], sizeof(float) * 5 * (size_t)n_seqs,
+                          err) != 0)
+                return pd_wrap(err, "opt forward: sampling parameters");
+            be->sample(be, m->s.ids[buf], m->s.logits, n_seqs, m->cfg.vocab_size, m->s.sample_dev);
+        }
+        if (be->event_record(be, a->event[buf], err) != 0) return -1;
+        p->done = false;
+    } else {
+        if (ahead_drain(m, err) != 0) return -1;
+        if (forward_sync(m, kv, run, n_seqs, NULL, a->picks[buf], sample_params, buf, err) != 0)
+            return -1;
+        p->done = true;
+    }
+    p->n_rows = n_seqs;
+    p->buf = buf;
+    /* Picks made on the device stay in s.ids[buf] for a chained step. */
+    a->dev_rows = be->argmax || sample_params ? n_seqs : -1;
+    a->next_buf = buf ^ 1;
+    a->n++;
+    return 0;
+}
+
+int opt_forward_wait(opt_model *m, int32_t *ids, pd_err *err) {
+    opt_ahead *a = &m->ahead;
+    if (a->n == 0) return pd_fail(err, "opt forward: no queued step to wait for");
+    opt_pending *p = &a->q[a->head];
+    const int rc = pending_finish(m, p, err);
+    a->head = (a->head + 1) % 2;
+    a->n--;
+    if (rc != 0) {
+        a->last_rows = -1;
+        return -1;
+    }
+    memcpy(a->last_picks, a->picks[p->buf], sizeof(int32_t) * (size_t)p->n_rows);
+    a->last_rows = p->n_rows;
+    if (ids) memcpy(ids, a->picks[p->buf], sizeof(int32_t) * (size_t)p->n_rows);
+    return 0;
+}
+
+int opt_forward_ex(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                   float *logits, int32_t *ids, const float *sample_params, pd_err *err) {
+    opt_ahead *a = &m->ahead;
+    if (ahead_drain(m, err) != 0) return -1;
+    /* Buffer 0 is overwritten, and a chained step after this one has no
+     * queued step to chain. */
+    a->dev_rows = -1;
+    a->last_rows = -1;
+    return forward_sync(m, kv, seqs, n_seqs, logits, ids, sample_params, 0, err);
 }
 
 int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,

@@ -65,6 +65,25 @@ int opt_forward(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int 
  * sample op in backend.h; only when opt_model_samples_on_device), a draw. */
 int opt_forward_ex(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
                    float *logits, int32_t *ids, const float *sample_params, pd_err *err);
+/* Steps queued ahead (what vLLM calls async scheduling): opt_forward_queue
+ * starts a step and returns without its results where the backend can run
+ * it while the host goes on (a decode graph on a GPU; elsewhere it runs to
+ * the end at once), and opt_forward_wait hands out the picks of the oldest
+ * queued step, one per sequence. Every sequence of a queued step wants
+ * logits; picks are made on the device where the backend can (greedy, or
+ * draws with sample_params as in opt_forward_ex). At most two steps are
+ * queued. chain_rows (NULL: none) makes a sequence's one new token the pick
+ * of row chain_rows[i] of the newest queued step (-1: its tokens as given;
+ * tokens of chained sequences are not read). When every row chains to its
+ * own index and both are decode graphs, the device reads those picks itself,
+ * so the host queues step N+1 before it has read step N: the host's share
+ * of a step then overlaps the device's. Otherwise the earlier step is
+ * waited for first, with the same results. opt_forward_ex waits for every
+ * queued step first (their picks are still handed out by opt_forward_wait)
+ * and ends any chain. */
+int opt_forward_queue(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs, int n_seqs,
+                      const float *sample_params, const int32_t *chain_rows, pd_err *err);
+int opt_forward_wait(opt_model *m, int32_t *ids, pd_err *err);
 /* Whether the backend draws tokens itself (sample_params of opt_forward_ex). */
 bool opt_model_samples_on_device(const opt_model *m);
 

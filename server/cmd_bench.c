@@ -15,7 +15,7 @@
 #include "server/device_options.h"
 
 typedef struct bench_opts {
-    int prompt_len, decode_tokens, threads, repeat, enforce_eager, help;
+    int prompt_len, decode_tokens, threads, repeat, enforce_eager, decode_ahead, help;
     const char *backend, *device, *dtype;
     char device_name[24]; /* --device with auto resolved */
 } bench_opts;
@@ -25,6 +25,8 @@ static const cli_option bench_table[] = {
     {"decode-tokens", CLI_INT, offsetof(bench_opts, decode_tokens), "64", 0, 1 << 20, "batch-1 decode steps"},
     {"repeat", CLI_INT, offsetof(bench_opts, repeat), "5", 1, 1000, "timed prefills on a GPU (the best and median are shown)"},
     {"enforce-eager", CLI_BOOL, offsetof(bench_opts, enforce_eager), "false", 1, 0, "GPU: decode without CUDA graphs"},
+    {"decode-ahead", CLI_BOOL, offsetof(bench_opts, decode_ahead), "false", 1, 0,
+     "GPU: also time decode with each step queued before the previous one is read (opt_forward_queue)"},
     {"threads", CLI_INT, offsetof(bench_opts, threads), "0", 0, 1024, "CPU threads (0: one per core)"},
     {"device", CLI_STR, offsetof(bench_opts, device), "cpu", 1, 0,
      "cpu, cuda (cuda:N for device N), auto (cuda when a GPU is visible, else cpu)"},
@@ -240,6 +242,25 @@ static int bench_device(const bench_opts *o, const char *model_arg) {
         }
         t_decode = spent / o->decode_tokens;
     }
+    /* The same decode with every step queued before the host reads the one
+     * before it, its token the earlier step's pick read on the device (the
+     * model layer's async scheduling; the server does not use it yet). It
+     * rewrites the KV of the positions above with other tokens. */
+    double t_ahead = 0;
+    if (o->decode_ahead && o->decode_tokens > 1) {
+        const int32_t row0 = 0;
+        const double t0 = pd_now();
+        opt_seq_step d = {ids + o->prompt_len, 1, o->prompt_len, table, n_blocks, true};
+        if (opt_forward_queue(m, kv, &d, 1, NULL, NULL, &err) != 0) goto fail;
+        for (int s = 1; s <= o->decode_tokens; s++) {
+            if (s < o->decode_tokens) {
+                d.start_pos = o->prompt_len + s;
+                if (opt_forward_queue(m, kv, &d, 1, NULL, &row0, &err) != 0) goto fail;
+            }
+            if (opt_forward_wait(m, &pick, &err) != 0) goto fail;
+        }
+        t_ahead = (pd_now() - t0) / o->decode_tokens;
+    }
     int captures = 0, replays = 0;
     const int graphs = opt_model_graph_stats(m, &captures, &replays);
     printf("model: %s (%d layers, hidden %d), %.1f MB of %s weights on %s\n", dir, c->num_hidden_layers,
@@ -252,6 +273,10 @@ static int bench_device(const bench_opts *o, const char *model_arg) {
                "(%.1f MB at %.0f GB/s) = %.0f%% of the limit\n",
                graphs ? "CUDA graphs" : "eager", t_decode * 1e3, 1 / t_decode, o->prompt_len, total - 1,
                decode_bytes / bw * 1e3, decode_bytes / 1e6, bw / 1e9, 100 * (decode_bytes / bw) / t_decode);
+    if (t_ahead > 0)
+        printf("decode ahead (batch 1, greedy, %s, each step queued before the previous one is read): "
+               "%.4f ms/token at context %d..%d\n",
+               graphs ? "CUDA graphs" : "eager", t_ahead * 1e3, o->prompt_len, total - 1);
     if (t_graph > 0)
         printf("decode step at context %d on the device (its graph replayed 200 times back to "
                "back): %.4f ms; the rest of a token's time is the host's (metadata, launch, ids "

@@ -649,6 +649,53 @@ static void cu_graph_free(pd_backend *be, void *graph) {
     cudaGraphExecDestroy((cudaGraphExec_t)graph);
 }
 
+/* ---- events ---- */
+
+static int cu_event_create(pd_backend *be, void **ev, pd_err *err) {
+    cu_enter(ctx_of(be));
+    cudaEvent_t e = NULL;
+    cudaError_t r = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    if (r != cudaSuccess) {
+        cudaGetLastError();
+        return pd_fail(err, "cuda backend: creating an event: %s", cudaGetErrorString(r));
+    }
+    *ev = e;
+    return 0;
+}
+
+static int cu_event_record(pd_backend *be, void *ev, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cudaError_t r = cudaEventRecord((cudaEvent_t)ev, c->stream);
+    if (r != cudaSuccess) {
+        cudaGetLastError();
+        return pd_fail(err, "cuda backend: recording an event: %s", cudaGetErrorString(r));
+    }
+    return 0;
+}
+
+/* Like cu_wait, for the work before ev only. */
+static int cu_event_wait(pd_backend *be, void *ev, pd_err *err) {
+    cuda_ctx *c = ctx_of(be);
+    cu_enter(c);
+    cudaError_t r = cudaEventSynchronize((cudaEvent_t)ev);
+    if (c->failed) {
+        c->failed = 0;
+        return pd_fail(err, "cuda backend: %s (reported at an event)", c->err);
+    }
+    if (r != cudaSuccess) {
+        cudaGetLastError();
+        return pd_fail(err, "cuda backend: waiting for an event: %s", cudaGetErrorString(r));
+    }
+    return 0;
+}
+
+static void cu_event_free(pd_backend *be, void *ev) {
+    if (!ev) return;
+    cu_enter(ctx_of(be));
+    cudaEventDestroy((cudaEvent_t)ev);
+}
+
 /* ---- lifetime ---- */
 
 static void cu_destroy(pd_backend *be) {
@@ -844,6 +891,10 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->graph_end = cu_graph_end;
     be->graph_launch = cu_graph_launch;
     be->graph_free = cu_graph_free;
+    be->event_create = cu_event_create;
+    be->event_record = cu_event_record;
+    be->event_wait = cu_event_wait;
+    be->event_free = cu_event_free;
     be->destroy = cu_destroy;
     *out = be;
     return 0;

@@ -245,6 +245,55 @@ static void run_graphs(rig *r) {
     free(lg);
 }
 
+/* Decode steps queued ahead on the GPU (opt_forward_queue): each step's
+ * embedding reads the picks of the step before it on the device, queued
+ * before the host has read them; the picks equal those of plain graph
+ * steps from the same state (the queued run rewrites the same KV slots in
+ * the same order). */
+static void run_queued(rig *r) {
+    enum { D = 24 };
+    pd_err err;
+    const int Bs[] = {1, 3, 9};
+    int32_t tok[MAX_SEQS], pos[MAX_SEQS];
+    for (int q = 0; q < MAX_SEQS; q++) { /* fresh prompts of 4 tokens */
+        int32_t prompt[4];
+        for (int i = 0; i < 4; i++) prompt[i] = (int32_t)(urand() % (uint32_t)r->V);
+        opt_seq_step s = seq_step(r, q, prompt, 4, 0);
+        CHECKF(opt_forward_ex(r->gpu.m, r->gpu.kv, &s, 1, NULL, &tok[q], NULL, &err) == 0, "%s", err.msg);
+        pos[q] = 4;
+    }
+    for (size_t bi = 0; bi < sizeof Bs / sizeof Bs[0]; bi++) {
+        const int B = Bs[bi];
+        int32_t plain[D][MAX_SEQS], queued[D][MAX_SEQS], cur[MAX_SEQS], chain[MAX_SEQS];
+        opt_seq_step st[MAX_SEQS];
+        memcpy(cur, tok, sizeof cur);
+        for (int d = 0; d < D; d++) {
+            for (int q = 0; q < B; q++) st[q] = seq_step(r, q, &cur[q], 1, pos[q] + d);
+            CHECKF(opt_forward_ex(r->gpu.m, r->gpu.kv, st, B, NULL, plain[d], NULL, &err) == 0, "%s",
+                   err.msg);
+            memcpy(cur, plain[d], sizeof(int32_t) * (size_t)B);
+        }
+        for (int q = 0; q < B; q++) {
+            st[q] = seq_step(r, q, &tok[q], 1, pos[q]);
+            chain[q] = q;
+        }
+        CHECKF(opt_forward_queue(r->gpu.m, r->gpu.kv, st, B, NULL, NULL, &err) == 0, "%s", err.msg);
+        for (int d = 1; d <= D; d++) {
+            if (d < D) {
+                for (int q = 0; q < B; q++) st[q] = seq_step(r, q, NULL, 1, pos[q] + d);
+                CHECKF(opt_forward_queue(r->gpu.m, r->gpu.kv, st, B, NULL, chain, &err) == 0, "%s",
+                       err.msg);
+            }
+            CHECKF(opt_forward_wait(r->gpu.m, queued[d - 1], &err) == 0, "%s", err.msg);
+        }
+        int differ = 0;
+        for (int d = 0; d < D; d++)
+            for (int q = 0; q < B; q++) differ += plain[d][q] != queued[d][q];
+        CHECKF(differ == 0, "%s: batch %d: %d of %d queued picks differ from plain steps", r->variant, B,
+               differ, D * B);
+    }
+}
+
 static void run_model(const char *dir, const char *variant, double tol, int bs) {
     rig *r = calloc(1, sizeof *r);
     r->variant = variant;
@@ -272,6 +321,7 @@ static void run_model(const char *dir, const char *variant, double tol, int bs) 
         r->V = opt_model_config(r->cpu.m)->vocab_size;
         run_scenarios(r);
         run_graphs(r);
+        run_queued(r);
     }
     side_close(&r->gpu);
     side_close(&r->cpu);

@@ -466,6 +466,88 @@ static void test_batched(opt_model *m, const test_model *tm, const char *name) {
     opt_kv_storage_free(kv_solo);
 }
 
+/* Steps queued ahead (opt_forward_queue / opt_forward_wait): greedy decode
+ * of three sequences with each step chained to the picks of the step before
+ * it, queued before that step is waited for, gives the picks of plain
+ * steps. The rows are reordered twice (a chain that is not row for row)
+ * and one step gives one sequence its token from the host. */
+static void test_queued(opt_model *m, const test_model *tm, const char *name) {
+    enum { NS = 3, D = 12 };
+    const int V = tm->cfg.vocab_size, bs = 4, nb = NS * 8;
+    const int plen[NS] = {5, 9, 3};
+    int32_t ref[NS][32], got[NS][32], tables[NS][8], ids[NS], chain[NS];
+    int ord[D][NS];
+    pd_err err;
+    for (int s = 0; s < NS; s++) {
+        for (int i = 0; i < plen[s]; i++) ref[s][i] = got[s][i] = (int32_t)(urand() % (uint32_t)V);
+        for (int b = 0; b < 8; b++) tables[s][b] = s * 8 + b;
+    }
+    opt_kv_storage *kv_ref, *kv_q;
+    CHECK(opt_kv_storage_create(m, nb, bs, &kv_ref, &err) == 0);
+    CHECK(opt_kv_storage_create(m, nb, bs, &kv_q, &err) == 0);
+    opt_seq_step st[NS];
+    /* Plain steps: pick d of sequence s is ref[s][plen[s] + d]. */
+    for (int d = 0; d < D; d++) {
+        for (int s = 0; s < NS; s++)
+            st[s] = d == 0 ? (opt_seq_step){ref[s], plen[s], 0, tables[s], 8, true}
+                           : (opt_seq_step){ref[s] + plen[s] + d - 1, 1, plen[s] + d - 1, tables[s], 8, true};
+        CHECKF(opt_forward_ex(m, kv_ref, st, NS, NULL, ids, NULL, &err) == 0, "%s", err.msg);
+        for (int s = 0; s < NS; s++) ref[s][plen[s] + d] = ids[s];
+    }
+    /* Queued: the prefill, then each decode step queued before the one
+     * before it is waited for. */
+    for (int s = 0; s < NS; s++) {
+        ord[0][s] = s;
+        st[s] = (opt_seq_step){got[s], plen[s], 0, tables[s], 8, true};
+    }
+    CHECKF(opt_forward_queue(m, kv_q, st, NS, NULL, NULL, &err) == 0, "%s", err.msg);
+    for (int k = 1; k <= D; k++) {
+        if (k < D) {
+            for (int i = 0; i < NS; i++) /* reversed at steps 4 and 9 */
+                ord[k][i] = (k == 4 || k == 9) ? ord[k - 1][NS - 1 - i] : ord[k - 1][i];
+            for (int i = 0; i < NS; i++) {
+                const int s = ord[k][i], pos = plen[s] + k - 1;
+                st[i] = (opt_seq_step){NULL, 1, pos, tables[s], 8, true};
+                for (int j = 0; j < NS; j++)
+                    if (ord[k - 1][j] == s) chain[i] = j;
+                if (k == 6 && s == 1) { /* this one's token from the host */
+                    chain[i] = -1;
+                    st[i].tokens = &ref[s][pos];
+                }
+            }
+            CHECKF(opt_forward_queue(m, kv_q, st, NS, NULL, chain, &err) == 0, "%s: step %d: %s", name,
+                   k, err.msg);
+            if (k == 1) { /* two queued: a third is refused */
+                CHECK(opt_forward_queue(m, kv_q, st, NS, NULL, chain, &err) != 0);
+                CHECK(strstr(err.msg, "two steps") != NULL);
+            }
+        }
+        CHECKF(opt_forward_wait(m, ids, &err) == 0, "%s", err.msg);
+        for (int i = 0; i < NS; i++) got[ord[k - 1][i]][plen[ord[k - 1][i]] + k - 1] = ids[i];
+    }
+    for (int s = 0; s < NS; s++)
+        for (int d = 0; d < D; d++)
+            CHECKF(got[s][plen[s] + d] == ref[s][plen[s] + d], "%s: queued pick %d of seq %d: %d, plain %d",
+                   name, d, s, got[s][plen[s] + d], ref[s][plen[s] + d]);
+    /* Misuse is an error, not a crash. */
+    CHECK(opt_forward_wait(m, ids, &err) != 0);
+    CHECK(strstr(err.msg, "no queued step") != NULL);
+    chain[0] = NS; /* the last step had NS rows: out of range */
+    chain[1] = chain[2] = -1;
+    for (int s = 0; s < NS; s++) st[s] = (opt_seq_step){&ref[s][plen[s] + D - 1], 1, plen[s] + D - 1, tables[s], 8, true};
+    CHECK(opt_forward_queue(m, kv_q, st, NS, NULL, chain, &err) != 0);
+    CHECK(strstr(err.msg, "chains row") != NULL);
+    CHECK(opt_forward_ex(m, kv_q, st, NS, NULL, ids, NULL, &err) == 0);
+    chain[0] = 0; /* after a plain step there is no queued step to chain */
+    CHECK(opt_forward_queue(m, kv_q, st, NS, NULL, chain, &err) != 0);
+    CHECK(strstr(err.msg, "no step before") != NULL);
+    st[0].want_logits = false;
+    CHECK(opt_forward_queue(m, kv_q, st, NS, NULL, NULL, &err) != 0);
+    CHECK(strstr(err.msg, "wants no logits") != NULL);
+    opt_kv_storage_free(kv_ref);
+    opt_kv_storage_free(kv_q);
+}
+
 static void test_validation(opt_model *m) {
     pd_err err;
     opt_kv_storage *kv;
@@ -526,6 +608,7 @@ int main(void) {
             test_prefill_vs_reference(m, &tm, KINDS[k].name);
             test_chunked_and_decode(m, &tm, KINDS[k].name);
             test_batched(m, &tm, KINDS[k].name);
+            test_queued(m, &tm, KINDS[k].name);
             if (k == 0) test_validation(m);
             opt_model_free(m);
         }
