@@ -72,6 +72,7 @@ struct engine {
     float *logits;
     int32_t *ids;         /* tokens made on the device, one per logits row */
     float *sample_params; /* their sampling parameters, 5 per row */
+    int32_t *chain;       /* async scheduling: each next-step sequence's row in the step before */
     int logits_rows;
 };
 
@@ -418,22 +419,17 @@ static int engine_reserve_rows(engine *e, int rows, pd_err *err) {
     if (ni) e->ids = ni;
     float *np = ni ? realloc(e->sample_params, sizeof(float) * 5 * (size_t)rows) : NULL;
     if (np) e->sample_params = np;
-    if (!nl || !ni || !np) return pd_fail(err, "out of memory for the outputs of %d sequences", rows);
+    int32_t *nc = np ? realloc(e->chain, sizeof(int32_t) * (size_t)rows) : NULL;
+    if (nc) e->chain = nc;
+    if (!nl || !ni || !np || !nc) return pd_fail(err, "out of memory for the outputs of %d sequences", rows);
     e->logits_rows = rows;
     return 0;
 }
 
-/* Run one scheduled step: forward, sample, finish. */
-static void engine_step(engine *e, sched_batch *b) {
-    pd_err err = {{0}};
-    int rows = 0;
-    for (int i = 0; i < b->n; i++) rows += b->steps[i].want_logits;
-    if (engine_reserve_rows(e, rows, &err) != 0) {
-        for (int i = 0; i < b->n; i++) scheduler_finish(e->sched, b->seqs[i], FINISH_ERROR, err.msg);
-        return;
-    }
-    /* A step whose every pick can be made on the device fetches only ids:
-     * argmaxes, or draws with per-row parameters when any row samples. */
+/* Whether every pick of step b can be made on the device, so only ids
+ * leave it: argmaxes, or draws with per-row parameters (then written to
+ * e->sample_params, *device_draw) when any row samples. */
+static bool engine_ids_only(engine *e, const sched_batch *b, int rows, bool *device_draw) {
     const bool can_sample = opt_model_samples_on_device(e->model) && !e->cfg.host_sampling;
     bool ids_only = rows > 0, all_greedy = true;
     for (int i = 0; i < b->n && ids_only; i++) {
@@ -441,21 +437,30 @@ static void engine_step(engine *e, sched_batch *b) {
         if (!engine_pick_on_device(e, b->seqs[i], can_sample)) ids_only = false;
         if (!sampler_is_plain_greedy(b->seqs[i]->smp)) all_greedy = false;
     }
-    const bool device_draw = ids_only && !all_greedy;
-    if (device_draw)
+    *device_draw = ids_only && !all_greedy;
+    if (*device_draw)
         for (int i = 0, r = 0; i < b->n; i++)
             if (b->steps[i].want_logits) sampler_device_params(b->seqs[i]->smp, e->sample_params + 5 * (size_t)r++);
-    if (opt_forward_ex(e->model, e->kv, b->steps, b->n, ids_only ? NULL : e->logits, ids_only ? e->ids : NULL,
-                       device_draw ? e->sample_params : NULL, &err) != 0) {
-        pd_log(PD_LOG_ERROR, "forward pass failed: %s", err.msg);
-        for (int i = 0; i < b->n; i++) scheduler_finish(e->sched, b->seqs[i], FINISH_ERROR, err.msg);
-        return;
-    }
+    return ids_only;
+}
+
+/* After step b's forward pass: count, ship a producer's KV, take each
+ * row's pick (e->ids) or sample it (e->logits), finish what ended. A
+ * sequence that finished before its queued step was read (async
+ * scheduling: it ended with the step before, or was aborted) has its pick
+ * dropped. */
+static void engine_step_outputs(engine *e, sched_batch *b, bool ids_only) {
+    pd_err err = {{0}};
     e->work.steps++;
-    int row = 0, n_finished = 0;
+    int row = 0;
     for (int i = 0; i < b->n; i++) {
         engine_seq *s = b->seqs[i];
         const opt_seq_step *st = &b->steps[i];
+        b->finish[i] = FINISH_NONE;
+        if (s->state == SEQ_DONE) {
+            row += st->want_logits;
+            continue;
+        }
         e->work.step_tokens += (uint64_t)st->n_tokens;
         /* Prompt tokens that really ran through the model this step. */
         int prompt_end = st->start_pos + st->n_tokens < s->n_prompt ? st->start_pos + st->n_tokens : s->n_prompt;
@@ -469,6 +474,7 @@ static void engine_step(engine *e, sched_batch *b) {
                 pd_log(PD_LOG_ERROR, "request %s: %s", s->id, err.msg);
                 s->error_status = 502;
                 scheduler_finish(e->sched, s, FINISH_ERROR, err.msg);
+                row += st->want_logits;
                 continue;
             }
             pthread_mutex_lock(&s->mu);
@@ -477,33 +483,113 @@ static void engine_step(engine *e, sched_batch *b) {
             pthread_mutex_unlock(&s->mu);
         }
         if (!st->want_logits) continue;
-        finish_reason r;
         if (ids_only) {
             sampler_record(s->smp, e->ids[row]);
-            r = engine_accept(e, s, e->ids[row++], 0, NULL, NULL);
+            b->finish[i] = engine_accept(e, s, e->ids[row++], 0, NULL, NULL);
         } else {
-            r = engine_sample(e, s, e->logits + (size_t)row++ * e->vocab);
+            b->finish[i] = engine_sample(e, s, e->logits + (size_t)row++ * e->vocab);
         }
         e->work.generation_tokens++;
-        if (r != FINISH_NONE) {
-            b->finish[n_finished] = r;
-            b->seqs[n_finished++] = s; /* entries before i are done with; reuse the slots */
-        }
     }
     /* Counters first, then wake the consumers: a client that reads /metrics
      * right after its response must see its own tokens counted. */
     engine_publish_stats(e);
-    for (int i = 0; i < n_finished; i++)
-        scheduler_finish(e->sched, b->seqs[i], b->finish[i], b->finish[i] == FINISH_ERROR ? "out of memory while sampling" : NULL);
+    for (int i = 0; i < b->n; i++)
+        if (b->finish[i] != FINISH_NONE)
+            scheduler_finish(e->sched, b->seqs[i], b->finish[i],
+                             b->finish[i] == FINISH_ERROR ? "out of memory while sampling" : NULL);
+}
+
+static void engine_fail_step(engine *e, sched_batch *b, const char *msg) {
+    for (int i = 0; i < b->n; i++) scheduler_finish(e->sched, b->seqs[i], FINISH_ERROR, msg);
+}
+
+/* Run one scheduled step: forward, sample, finish. */
+static void engine_step(engine *e, sched_batch *b) {
+    pd_err err = {{0}};
+    int rows = 0;
+    for (int i = 0; i < b->n; i++) rows += b->steps[i].want_logits;
+    if (engine_reserve_rows(e, rows, &err) != 0) {
+        engine_fail_step(e, b, err.msg);
+        return;
+    }
+    bool device_draw;
+    const bool ids_only = engine_ids_only(e, b, rows, &device_draw);
+    if (opt_forward_ex(e->model, e->kv, b->steps, b->n, ids_only ? NULL : e->logits, ids_only ? e->ids : NULL,
+                       device_draw ? e->sample_params : NULL, &err) != 0) {
+        pd_log(PD_LOG_ERROR, "forward pass failed: %s", err.msg);
+        engine_fail_step(e, b, err.msg);
+        return;
+    }
+    engine_step_outputs(e, b, ids_only);
+}
+
+/* ---- async scheduling (--async-scheduling) ----
+ * A step whose every sequence wants a pick made on the device is queued
+ * (opt_forward_queue); while it runs, the decode step after it is built and
+ * queued too, its tokens the first step's picks read on the device, and
+ * only then is the first step's output read. The host's share of a step
+ * then overlaps the device's. A queued step holds a reference on each of
+ * its sequences, since one may finish (EOS, stop id, abort) before the
+ * step is read. */
+
+enum { QUEUE_NO = 0, QUEUE_OK = 1, QUEUE_FAILED = -1 };
+
+/* Queue step b; QUEUE_NO: it has to run the plain way (engine_step);
+ * QUEUE_FAILED: it failed and its sequences were finished. */
+static int engine_queue(engine *e, sched_batch *b, const int32_t *chain) {
+    pd_err err = {{0}};
+    if (e->conn || b->n == 0) return QUEUE_NO; /* KV saves and loads stay step by step */
+    for (int i = 0; i < b->n; i++)
+        if (!b->steps[i].want_logits) return QUEUE_NO;
+    if (engine_reserve_rows(e, b->n, &err) != 0) return QUEUE_NO;
+    bool device_draw;
+    if (!engine_ids_only(e, b, b->n, &device_draw)) return QUEUE_NO;
+    if (opt_forward_queue(e->model, e->kv, b->steps, b->n, device_draw ? e->sample_params : NULL, chain, &err) !=
+        0) {
+        pd_log(PD_LOG_ERROR, "forward pass failed: %s", err.msg);
+        engine_fail_step(e, b, err.msg);
+        return QUEUE_FAILED;
+    }
+    for (int i = 0; i < b->n; i++) atomic_fetch_add(&b->seqs[i]->refs, 1);
+    return QUEUE_OK;
+}
+
+/* Read queued step b's picks and act on them; drop its references. */
+static void engine_collect(engine *e, sched_batch *b) {
+    pd_err err = {{0}};
+    if (opt_forward_wait(e->model, e->ids, &err) != 0) {
+        pd_log(PD_LOG_ERROR, "forward pass failed: %s", err.msg);
+        engine_fail_step(e, b, err.msg);
+    } else {
+        engine_step_outputs(e, b, true);
+    }
+    for (int i = 0; i < b->n; i++) engine_seq_unref(b->seqs[i]);
+}
+
+/* While step cur runs: build and queue the decode step after it. Not while
+ * a request waits in the inbox (it is admitted at the next plain step). */
+static bool engine_queue_next(engine *e, const sched_batch *cur, sched_batch *next) {
+    pthread_mutex_lock(&e->mu);
+    const bool arrivals = e->inbox_head != NULL || e->stopping;
+    pthread_mutex_unlock(&e->mu);
+    if (arrivals) return false;
+    pd_err err = {{0}};
+    if (engine_reserve_rows(e, cur->n, &err) != 0) return false;
+    if (scheduler_schedule_next(e->sched, cur, next, e->chain) <= 0) return false;
+    return engine_queue(e, next, e->chain) == QUEUE_OK;
 }
 
 static void *engine_loop(void *arg) {
     engine *e = arg;
-    sched_batch batch;
+    sched_batch batch, next;
     memset(&batch, 0, sizeof batch);
+    memset(&next, 0, sizeof next);
+    bool queued = false; /* batch is queued on the model, its picks not read yet */
     for (;;) {
         pthread_mutex_lock(&e->mu);
-        while (!e->stopping && !e->inbox_head && !scheduler_has_work(e->sched)) pthread_cond_wait(&e->cv, &e->mu);
+        while (!queued && !e->stopping && !e->inbox_head && !scheduler_has_work(e->sched))
+            pthread_cond_wait(&e->cv, &e->mu);
         bool stop = e->stopping;
         engine_seq *list = e->inbox_head;
         e->inbox_head = e->inbox_tail = NULL;
@@ -513,13 +599,27 @@ static void *engine_loop(void *arg) {
         if (stop) break;
         scheduler_reap_aborted(e->sched);
         int remote_pending = scheduler_poll_remote(e->sched);
-        if (scheduler_schedule(e->sched, &batch) != 0) {
-            engine_publish_stats(e);
-            continue;
+        if (!queued) {
+            if (scheduler_schedule(e->sched, &batch) != 0) {
+                engine_publish_stats(e);
+                continue;
+            }
+            const int q = e->cfg.async_scheduling ? engine_queue(e, &batch, NULL) : QUEUE_NO;
+            if (q == QUEUE_NO && batch.n > 0) engine_step(e, &batch);
+            queued = q == QUEUE_OK;
         }
-        if (batch.n > 0) engine_step(e, &batch);
+        if (queued) {
+            const bool ahead = engine_queue_next(e, &batch, &next);
+            engine_collect(e, &batch);
+            if (ahead) { /* next is in flight: it becomes the step to read */
+                sched_batch t = batch;
+                batch = next;
+                next = t;
+            }
+            queued = ahead;
+        }
         engine_publish_stats(e);
-        if (batch.n == 0 && remote_pending > 0) {
+        if (!queued && batch.n == 0 && remote_pending > 0) {
             /* Only requests waiting for remote KV: look again in a moment
              * (or as soon as a new request arrives). */
             pthread_mutex_lock(&e->mu);
@@ -533,9 +633,11 @@ static void *engine_loop(void *arg) {
             pthread_mutex_unlock(&e->mu);
         }
     }
+    if (queued) engine_collect(e, &batch);
     scheduler_abort_all(e->sched);
     engine_publish_stats(e);
     sched_batch_free(&batch);
+    sched_batch_free(&next);
     return NULL;
 }
 
@@ -730,6 +832,7 @@ void engine_destroy(engine *e) {
     free(e->logits);
     free(e->ids);
     free(e->sample_params);
+    free(e->chain);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);

@@ -42,6 +42,7 @@ typedef struct engine_config {
     int max_waiting;            /* waiting-queue bound; beyond it submit says "busy" */
     bool enforce_eager;         /* no decode graphs even where the backend has them */
     bool host_sampling;         /* draw sampled tokens on the host even on a GPU */
+    bool async_scheduling;      /* queue the next decode step before reading this one's picks */
     const kv_transfer_config *kv_transfer; /* NULL: colocated; else prefill/decode role */
     int http_port;              /* advertised to the proxy */
 } engine_config;

@@ -284,6 +284,30 @@ int scheduler_schedule(scheduler *s, sched_batch *b) {
     return 0;
 }
 
+int scheduler_schedule_next(scheduler *s, const sched_batch *cur, sched_batch *next, int32_t *chain) {
+    next->n = 0;
+    if (s->waiting.n > 0) return 0; /* admit it at the next plain step */
+    for (int i = 0; i < cur->n; i++) {
+        engine_seq *seq = cur->seqs[i];
+        const opt_seq_step *st = &cur->steps[i];
+        if (seq->state != SEQ_RUNNING || atomic_load(&seq->abort_requested)) continue;
+        /* cur's pick goes to position pos; then the sequence holds pos + 1 tokens. */
+        const int pos = st->start_pos + st->n_tokens;
+        if (pos + 1 - seq->n_prompt >= seq->params.max_tokens || pos + 1 >= s->cfg.max_model_len) continue;
+        pd_err err;
+        if (kv_table_reserve(s->pool, &seq->blocks, pos + 1, &err) != 0) {
+            next->n = 0;
+            return 0;
+        }
+        if (batch_push(next, seq, 1) != 0) return -1;
+        /* batch_push took n_computed/n_tokens as they are now (before cur's pick) */
+        next->steps[next->n - 1] =
+            (opt_seq_step){seq->tokens + pos, 1, pos, seq->blocks.ids, seq->blocks.n_blocks, true};
+        chain[next->n - 1] = i;
+    }
+    return next->n;
+}
+
 void scheduler_computed(scheduler *s, engine_seq *seq, int n) {
     seq->n_computed += n;
     if (s->cfg.enable_prefix_caching) kv_table_publish_full(s->pool, &seq->blocks, seq->tokens, seq->n_computed);

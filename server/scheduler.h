@@ -60,6 +60,14 @@ void scheduler_reap_aborted(scheduler *s);
 int scheduler_poll_remote(scheduler *s);
 /* Build the next step. Returns 0 (batch may be empty), -1 on allocation failure. */
 int scheduler_schedule(scheduler *s, sched_batch *b);
+/* Async scheduling: the decode step after cur, built before cur's picks
+ * are known (each of cur's sequences wants logits). Every sequence of cur
+ * still running and not bound to end by length with cur's pick decodes
+ * that pick at the next position; chain[k] is its row in cur. Nothing is
+ * built (0) while a request waits, or when a sequence's next position
+ * needs a block that is not free (no preemption ahead). Returns how many
+ * sequences next holds, -1 on allocation failure. */
+int scheduler_schedule_next(scheduler *s, const sched_batch *cur, sched_batch *next, int32_t *chain);
 /* After the forward pass: n new tokens of seq are in the cache. */
 void scheduler_computed(scheduler *s, engine_seq *seq, int n);
 /* Finish a sequence: publish the reason, free its blocks, drop the engine's reference. */

@@ -56,6 +56,8 @@ static const cli_option serve_table[] = {
     {"log-level", CLI_STR, O(log_level), "info", 1, 0, "debug, info, warning, error"},
     {"enforce-eager", CLI_BOOL, O(enforce_eager), "false", 1, 0,
      "no CUDA graphs for decode steps (the CPU is always eager)"},
+    {"async-scheduling", CLI_BOOL, O(async_scheduling), "false", 1, 0,
+     "queue the next decode step before reading this one's tokens (GPU: the host's work overlaps the GPU's)"},
     {"host-sampling", CLI_BOOL, O(host_sampling), "false", 1, 0,
      "GPU: copy logits to the host and draw there instead of on the GPU"},
     {"help", CLI_BOOL, O(help), "false", 1, 0, "show this help"},
@@ -247,6 +249,7 @@ void serve_options_to_engine(const serve_options *o, const char *model_dir, engi
     c->backend = o->backend[0] ? o->backend : NULL; /* NULL: the CPU */
     c->max_waiting = o->max_waiting;
     c->enforce_eager = o->enforce_eager != 0;
+    c->async_scheduling = o->async_scheduling != 0;
     c->host_sampling = o->host_sampling != 0;
     c->kv_transfer = o->kv_transfer_config ? &o->kv_cfg : NULL;
     c->http_port = o->port;

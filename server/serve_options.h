@@ -18,7 +18,7 @@ typedef struct serve_options {
     const char *model, *host, *dtype, *max_model_len, *served_model_name, *api_key;
     const char *kv_transfer_config, *log_level, *chat_template, *device;
     int port, block_size, max_num_seqs, max_num_batched_tokens, num_gpu_blocks_override;
-    int enable_prefix_caching, enforce_eager, host_sampling, max_waiting, threads, max_logprobs;
+    int enable_prefix_caching, enforce_eager, async_scheduling, host_sampling, max_waiting, threads, max_logprobs;
     int tensor_parallel_size, pipeline_parallel_size, help;
     int disable_log_requests, enable_log_requests, trust_remote_code, enable_chunked_prefill;
     int disable_log_stats, disable_fastapi_docs;
