@@ -315,6 +315,9 @@ typedef struct cuda_linear_env {
      * and fc1 may let the next linear's blocks become resident sooner; not
      * measured yet (docs/cuda-backend.md, Not done yet). */
     int t1_ntile;
+    /* PDSERVE_CUDA_SMALL=0: every linear takes the large (cuBLASLt) path, to
+     * see whether HF's near-tie continuations follow cuBLAS's summation. */
+    bool small_off;
 } cuda_linear_env;
 
 /* The argmax op's split scratch is the fused argmax's: the two never run

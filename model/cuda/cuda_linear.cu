@@ -635,6 +635,8 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
                                                        : cuda_linear_env::CUDA_HEAD_BLAS;
     const char *t1 = getenv("PDSERVE_CUDA_T1_NTILE");
     env->t1_ntile = t1 && (!strcmp(t1, "2") || !strcmp(t1, "4")) ? atoi(t1) : 1;
+    const char *small = getenv("PDSERVE_CUDA_SMALL");
+    env->small_off = small && !strcmp(small, "0");
     /* The kernels' static shared memory (the partial sums) comes off the top. */
     env->smem_max = (size_t)optin > 4096 ? (size_t)optin - 4096 : 0;
     /* The grid of the MMA kernel is at most 3 blocks an SM (lin_small). */
@@ -679,7 +681,7 @@ static int lin_aligned16(const void *p) {
 /* The single-kernel path; false when the call does not fit it. */
 static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base) {
     lin_params p = base;
-    if (p.T > LIN_MAX_T) return false;
+    if (p.T > LIN_MAX_T || env->small_off) return false;
     const bool lm_head = p.out >= LIN_HEAD_OUT;
     if (lm_head && env->head_route == cuda_linear_env::CUDA_HEAD_BLAS) return false;
     const size_t es = pd_dtype_size(dt);
