@@ -46,6 +46,11 @@ typedef struct pd_step_meta {
 } pd_step_meta;
 
 /* What the optional `linear` op fuses around its GEMM, in this order:
+ *   0. embed (emb_a != NULL, only for a backend with linear_embed set): x
+ *      is first written as the embedding_sum op writes it, x[t] =
+ *      emb_a[emb_ia[t]] + emb_b[emb_ib[t] + emb_b_offset] (x dense:
+ *      x_stride == in), and those rows are the input; a decode step's
+ *      first kernel then also does the embedding (one launch less);
  *   1. layer_norm: each x row is normalised first (as the layer_norm op,
  *      affine when ln_w != NULL);
  *   2. the GEMM and its bias;
@@ -68,6 +73,9 @@ typedef struct pd_linear_fuse {
      * index of the largest value, NaN never picked, 0 for a row of NaN).
      * Only for a backend with linear_argmax set; NULL: none. */
     int32_t *argmax;
+    const void *emb_a, *emb_b; /* step 0: the token and position tables, or NULL */
+    const int32_t *emb_ia, *emb_ib;
+    int emb_b_offset;
 } pd_linear_fuse;
 
 typedef struct pd_backend pd_backend;
@@ -116,6 +124,9 @@ struct pd_backend {
     /* linear honours pd_linear_fuse.argmax (the LM head picks its greedy
      * ids in the same kernel, one launch less a step). */
     int linear_argmax;
+    /* linear honours pd_linear_fuse.emb_a (the embedding in the first
+     * layer's qkv projection). */
+    int linear_embed;
     /* y = (x - mean) / sqrt(var + eps) (* w + b when w != NULL), per row,
      * fp32 reductions. y may equal x. */
     void (*layer_norm)(pd_backend *be, void *y, const void *x, const void *w, const void *b,

@@ -691,7 +691,8 @@ static void linear(pd_backend *be, void *y, const void *x, int x_stride, const v
  * (pre_ln: LN is the layer's self_attn_layer_norm, fused into that GEMM).
  * Also writes this step's k and v into the layer's cache. x is [T, h]. */
 static void attention_block(opt_model *m, const opt_layer_dev *L, void *k_cache, void *v_cache,
-                            int block_size, const pd_step_meta *meta, bool pre_ln, void *x) {
+                            int block_size, const pd_step_meta *meta, bool pre_ln, bool embed,
+                            void *x) {
     pd_backend *be = m->be;
     const int T = meta->n_tokens, h = m->cfg.hidden_size;
     const int heads = m->cfg.num_attention_heads, hd = m->cfg.head_dim;
@@ -701,7 +702,13 @@ static void attention_block(opt_model *m, const opt_layer_dev *L, void *k_cache,
                                      .ln_w = L->ln_attn_w,
                                      .ln_b = L->ln_attn_b,
                                      .ln_eps = OPT_LN_EPS,
-                                     .ln_out = m->s.a};
+                                     .ln_out = m->s.a,
+                                     /* embed: x is made here (see forward_ops) */
+                                     .emb_a = embed ? m->embed_tokens : NULL,
+                                     .emb_b = m->embed_positions,
+                                     .emb_ia = meta->token_ids,
+                                     .emb_ib = meta->positions,
+                                     .emb_b_offset = 2};
     linear(be, qkv, x, h, L->qkv_w, L->qkv_b, T, h, 3 * h, &qkv_proj);
     be->kv_write(be, k_cache, v_cache, qkv + h * es, qkv + 2 * h * es, 3 * h, meta, h);
     be->paged_attention(be, m->s.attn, qkv, 3 * h, k_cache, v_cache, meta, heads, hd, block_size,
@@ -741,7 +748,12 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
 
     /* Embeddings: project_in applies to the token embedding only, before the
      * learned positions (whose table is offset by 2 rows) are added. */
-    if (m->has_proj) {
+    /* Where the backend fuses it, the first qkv projection makes x itself
+     * (pd_linear_fuse.emb_a): one kernel less in a decode step. */
+    const bool embed_in_qkv = be->linear && be->linear_embed && !m->has_proj;
+    if (embed_in_qkv) {
+        /* nothing here: layer 0's attention_block */
+    } else if (m->has_proj) {
         be->embedding(be, s->emb, m->embed_tokens, meta->token_ids, 0, T, wd, 0);
         be->gemm(be, s->x, s->emb, wd, m->project_in, NULL, T, wd, h);
         be->embedding(be, s->x, m->embed_positions, meta->positions, 2, T, h, 1);
@@ -757,10 +769,11 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
         const opt_layer_dev *L = &m->layers[l];
         void *kc = kv->k[l], *vc = kv->v[l];
         if (c->do_layer_norm_before) { /* pre-LN: x = x + f(LN(x)) */
-            attention_block(m, L, kc, vc, kv->block_size, meta, true, s->x);
+            attention_block(m, L, kc, vc, kv->block_size, meta, true, embed_in_qkv && l == 0, s->x);
             ffn_block(m, L, T, true, s->x);
         } else { /* post-LN: x = LN(x + f(x)) */
-            attention_block(m, L, kc, vc, kv->block_size, meta, false, s->x);
+            attention_block(m, L, kc, vc, kv->block_size, meta, false, embed_in_qkv && l == 0,
+                            s->x);
             be->layer_norm(be, s->x, s->x, L->ln_attn_w, L->ln_attn_b, T, h, OPT_LN_EPS);
             ffn_block(m, L, T, false, s->x);
             be->layer_norm(be, s->x, s->x, L->ln_ffn_w, L->ln_ffn_b, T, h, OPT_LN_EPS);

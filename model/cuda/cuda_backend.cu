@@ -868,6 +868,9 @@ extern "C" int pd_backend_cuda_create(const char *name, pd_backend **out, pd_err
     be->gemm = cu_gemm;
     be->linear = cu_linear;
     be->linear_argmax = 1;
+    /* PDSERVE_CUDA_EMBED=0: the embedding as its own op (for A/B timing). */
+    const char *embed = getenv("PDSERVE_CUDA_EMBED");
+    be->linear_embed = !(embed && !strcmp(embed, "0"));
     be->layer_norm = cu_layer_norm;
     be->activation = cu_activation;
     be->add = cu_add;

@@ -69,6 +69,12 @@ struct lin_params {
     int vec_ln;       /* ln_w, ln_b may be read in 16-byte pieces */
     int n_vblocks;    /* tile blocks (NTILE tiles of 8 rows each) covering out */
     int32_t *argmax;  /* [T] each row's argmax too (MMA kernel only), or NULL */
+    /* The embedding in front (pd_linear_fuse.emb_a): x's rows are made from
+     * the tables, and block 0 writes them to x_out (== x). */
+    const void *emb_a, *emb_b;
+    const int32_t *emb_ia, *emb_ib;
+    int emb_b_offset;
+    void *x_out;
     float *am_v;      /* [gridDim.x][LIN_MAX_T] per-block bests (see lin_argmax_*) */
     int *am_i, *am_counter;
     pd_activation act;
@@ -170,6 +176,38 @@ __device__ __forceinline__ void lin_load_acc(const lin_params &p, int vb, lin_pr
         pre->y_old = to_f32(((const E *)p.y)[(size_t)t * p.out + row]);
 }
 
+/* 16 bytes of x's row t from element k: loaded, or (emb_a) the two
+ * embedding rows' sum, rounded once as the embedding_sum op rounds it; then
+ * block 0, x's one writer, stores it for the kernels after this one. Each
+ * block stages every piece once, so each piece is stored once. */
+template <typename E> __device__ __forceinline__ uint4 lin_x16(const lin_params &p, int t, int k) {
+    if (!p.emb_a) return __ldg((const uint4 *)((const E *)p.x + (size_t)t * p.x_stride + k));
+    constexpr int V = 16 / sizeof(E);
+    const E *ra = (const E *)p.emb_a + (size_t)__ldg(p.emb_ia + t) * p.in;
+    const E *rb = (const E *)p.emb_b + (size_t)(__ldg(p.emb_ib + t) + p.emb_b_offset) * p.in;
+    float fa[V], fb[V];
+    lin_widen(__ldg((const uint4 *)(ra + k)), fa, E());
+    lin_widen(__ldg((const uint4 *)(rb + k)), fb, E());
+    E sum[V];
+#pragma unroll
+    for (int j = 0; j < V; j++)
+        sum[j] = from_f32<E>(fa[j] + fb[j]);
+    uint4 v;
+    memcpy(&v, sum, 16);
+    if (blockIdx.x == 0) *(uint4 *)((E *)p.x_out + (size_t)t * p.x_stride + k) = v;
+    return v;
+}
+
+/* The same for one element. */
+template <typename E> __device__ __forceinline__ float lin_x1(const lin_params &p, int t, int k) {
+    if (!p.emb_a) return to_f32(((const E *)p.x)[(size_t)t * p.x_stride + k]);
+    const E *ra = (const E *)p.emb_a + (size_t)p.emb_ia[t] * p.in;
+    const E *rb = (const E *)p.emb_b + (size_t)(p.emb_ib[t] + p.emb_b_offset) * p.in;
+    const E v = from_f32<E>(to_f32(ra[k]) + to_f32(rb[k]));
+    if (blockIdx.x == 0) ((E *)p.x_out)[(size_t)t * p.x_stride + k] = v;
+    return to_f32(v);
+}
+
 /* x's T rows into shared memory xs ([T, in_pad] of S, zero past `in`), then
  * the layer norm in place when asked. Ends with the block synchronised. */
 /* The batch-1 decode case of lin_stage_x (16-bit x kept as it is, one
@@ -198,7 +236,7 @@ __device__ void lin_stage_ln_row(const lin_params &p, E *xs, const lin_pre &pre)
     const int k0 = (int)threadIdx.x * V;
     const bool mine = k0 < p.in;
     float f[V];
-    lin_widen(mine ? __ldg((const uint4 *)((const E *)p.x + k0)) : make_uint4(0, 0, 0, 0), f, E());
+    lin_widen(mine ? lin_x16<E>(p, 0, k0) : make_uint4(0, 0, 0, 0), f, E());
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < V; j++)
@@ -228,7 +266,6 @@ __device__ void lin_stage_ln_row(const lin_params &p, E *xs, const lin_pre &pre)
 
 template <typename E, typename S>
 __device__ void lin_stage_x(const lin_params &p, S *xs, const lin_pre &pre) {
-    const E *x = (const E *)p.x;
     if constexpr (sizeof(S) == sizeof(E)) {
         if (p.T == 1 && p.vec_x && pre.ln_vec) {
             lin_stage_ln_row<E>(p, (E *)xs, pre);
@@ -243,7 +280,7 @@ __device__ void lin_stage_x(const lin_params &p, S *xs, const lin_pre &pre) {
             for (int i = threadIdx.x; i < p.T * per_row; i += blockDim.x) {
                 const int t = i / per_row, k = (i - t * per_row) * V;
                 uint4 v = make_uint4(0, 0, 0, 0);
-                if (k < p.in) v = __ldg((const uint4 *)(x + (size_t)t * p.x_stride + k));
+                if (k < p.in) v = lin_x16<E>(p, t, k);
                 *(uint4 *)(xs + (size_t)t * p.in_pad + k) = v;
             }
             copied = true;
@@ -252,7 +289,7 @@ __device__ void lin_stage_x(const lin_params &p, S *xs, const lin_pre &pre) {
     if (!copied)
         for (int i = threadIdx.x; i < p.T * p.in_pad; i += blockDim.x) {
             const int t = i / p.in_pad, k = i - t * p.in_pad;
-            xs[i] = from_f32<S>(k < p.in ? to_f32(x[(size_t)t * p.x_stride + k]) : 0.0f);
+            xs[i] = from_f32<S>(k < p.in ? lin_x1<E>(p, t, k) : 0.0f);
         }
     __syncthreads();
     if (!p.layer_norm) return;
@@ -695,7 +732,8 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
                (p.in * es) % 16 == 0;
     /* 16-byte x copies only where shared memory keeps the storage type. */
     p.vec_x = (mma || dt == PD_F32) && lin_aligned16(p.x) && (p.x_stride * es) % 16 == 0 &&
-              (p.in * es) % 16 == 0;
+              (p.in * es) % 16 == 0 &&
+              (!p.emb_a || (lin_aligned16(p.emb_a) && lin_aligned16(p.emb_b)));
     /* More tiles per block share one copy of x (less L2 traffic as T
      * grows), fewer give more blocks (better spread over the SMs). */
     int ntile = p.T <= 2 ? 1 : p.T <= 4 ? 2 : 4;
@@ -847,6 +885,11 @@ int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x
                 const void *w, const void *bias, int T, int in, int out, const pd_linear_fuse *f,
                 char *msg, size_t msg_len) {
     if (T <= 0 || out <= 0 || in <= 0) return 0;
+    if (f->emb_a && x_stride != in) {
+        snprintf(msg, msg_len, "linear with the embedding fused: x must be dense (stride %d, in %d)",
+                 x_stride, in);
+        return -1;
+    }
     lin_params p;
     memset(&p, 0, sizeof p);
     p.y = y, p.x = x, p.w = w, p.bias = bias;
@@ -854,7 +897,14 @@ int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x
     p.layer_norm = f->layer_norm, p.ln_w = f->ln_w, p.ln_b = f->ln_b, p.ln_eps = f->ln_eps;
     p.activate = f->activate, p.act = f->act, p.accumulate = f->accumulate;
     p.argmax = f->argmax;
+    p.emb_a = f->emb_a, p.emb_b = f->emb_b, p.emb_ia = f->emb_ia, p.emb_ib = f->emb_ib;
+    p.emb_b_offset = f->emb_b_offset;
+    p.x_out = const_cast<void *>(x); /* written only with emb_a (backend.h) */
     if (lin_small(env, dt, p)) return 0;
+
+    if (f->emb_a) /* the embedding op first, into x */
+        cuda_embedding_sum(env->stream, dt, p.x_out, f->emb_a, f->emb_ia, f->emb_b, f->emb_ib,
+                           f->emb_b_offset, T, in);
 
     if (f->layer_norm) {
         cuda_layer_norm(env->stream, dt, f->ln_out, x, x_stride, f->ln_w, f->ln_b, T, in,

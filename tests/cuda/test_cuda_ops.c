@@ -605,6 +605,80 @@ static void test_linear(const pair *p) {
         }
 }
 
+/* ---- linear with the embedding in front (pd_linear_fuse.emb_a) ----
+ * Against the embedding_sum op, then the same linear, on the same GPU:
+ * both x (which the fused call writes) and y must be bit-identical. */
+static void linear_embed_case(const pair *p, int T, int in, int out, int fuse) {
+    pd_backend *g = p->gpu;
+    const int vocab = 50, n_pos = 70;
+    float *tok = rand_vec((size_t)vocab * in, -1, 1), *pos = rand_vec((size_t)n_pos * in, -1, 1);
+    float *w = rand_vec((size_t)out * in, -1, 1), *bias = rand_vec(out, -1, 1);
+    float *lnw = rand_vec(in, 0.5f, 1.5f), *lnb = rand_vec(in, -1, 1);
+    int32_t *ids = malloc(sizeof(int32_t) * T), *posn = malloc(sizeof(int32_t) * T);
+    for (int t = 0; t < T; t++)
+        ids[t] = (int32_t)(urand() % vocab), posn[t] = (int32_t)(urand() % (n_pos - 2));
+    void *d_tok = up_f32(g, tok, (size_t)vocab * in), *d_pos = up_f32(g, pos, (size_t)n_pos * in);
+    void *d_w = up_f32(g, w, (size_t)out * in), *d_bias = up_f32(g, bias, out);
+    void *d_lnw = up_f32(g, lnw, in), *d_lnb = up_f32(g, lnb, in);
+    int32_t *d_ids = up_i32(g, ids, T), *d_posn = up_i32(g, posn, T);
+    pd_err err;
+    void *x[2], *y[2], *ln_out = g->alloc(g, (size_t)T * in * g->elem_size, &err);
+    for (int i = 0; i < 2; i++) {
+        x[i] = g->alloc(g, (size_t)T * in * g->elem_size, &err);
+        y[i] = g->alloc(g, (size_t)T * out * g->elem_size, &err);
+    }
+    pd_linear_fuse f = {.layer_norm = (fuse & LIN_LN) != 0,
+                        .ln_w = d_lnw,
+                        .ln_b = d_lnb,
+                        .ln_eps = 1e-5f,
+                        .ln_out = ln_out};
+    const void *b = fuse & LIN_BIAS ? d_bias : NULL;
+    g->embedding_sum(g, x[0], d_tok, d_ids, d_pos, d_posn, 2, T, in);
+    g->linear(g, y[0], x[0], in, d_w, b, T, in, out, &f);
+    f.emb_a = d_tok, f.emb_b = d_pos, f.emb_ia = d_ids, f.emb_ib = d_posn, f.emb_b_offset = 2;
+    g->linear(g, y[1], x[1], in, d_w, b, T, in, out, &f);
+    char what[96];
+    snprintf(what, sizeof what, "linear+embedding T=%d %d->%d%s%s", T, in, out,
+             fuse & LIN_LN ? " ln" : "", fuse & LIN_BIAS ? " bias" : "");
+    sync_ok(p, what);
+    float *x0 = down(g, x[0], (size_t)T * in), *x1 = down(g, x[1], (size_t)T * in);
+    float *y0 = down(g, y[0], (size_t)T * out), *y1 = down(g, y[1], (size_t)T * out);
+    CHECKF(memcmp(x0, x1, sizeof(float) * T * in) == 0, "%s %s: x differs from embedding_sum's",
+           p->variant, what);
+    CHECKF(memcmp(y0, y1, sizeof(float) * T * out) == 0, "%s %s: y differs from the unfused ops'",
+           p->variant, what);
+    free(x0), free(x1), free(y0), free(y1);
+    void *bufs[] = {d_tok, d_pos, d_w, d_bias, d_lnw, d_lnb, d_ids, d_posn, ln_out,
+                    x[0],  x[1],  y[0], y[1]};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        g->free(g, bufs[i]);
+    free(tok), free(pos), free(w), free(bias), free(lnw), free(lnb), free(ids), free(posn);
+}
+
+static void test_linear_embed(const pair *p) {
+    CHECK(p->gpu->linear_embed);
+    /* the small-T kernel (16-byte and scalar rows), and the large path */
+    const int Ts[] = {1, 3, 8, 9, 40};
+    const int shapes[][2] = {{768, 2304}, {80, 200}, {83, 37}};
+    for (size_t a = 0; a < sizeof Ts / sizeof Ts[0]; a++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            linear_embed_case(p, Ts[a], shapes[s][0], shapes[s][1], LIN_LN | LIN_BIAS);
+            linear_embed_case(p, Ts[a], shapes[s][0], shapes[s][1], LIN_BIAS);
+        }
+    /* x must be dense: a strided call is refused (at the next sync), not misread */
+    pd_backend *g = p->gpu;
+    pd_err err;
+    void *buf = g->alloc(g, 64 * 64 * g->elem_size, &err);
+    int32_t zero[2] = {0, 0};
+    int32_t *d_zero = up_i32(g, zero, 2);
+    const pd_linear_fuse f = {.emb_a = buf, .emb_b = buf, .emb_ia = d_zero, .emb_ib = d_zero};
+    g->linear(g, (char *)buf + 32 * 64 * g->elem_size, buf, 24, buf, NULL, 2, 16, 16, &f);
+    CHECK(g->sync(g, &err) != 0 && strstr(err.msg, "dense") != NULL);
+    CHECKF(g->sync(g, &err) == 0, "after the refused call: %s", err.msg);
+    g->free(g, buf);
+    g->free(g, d_zero);
+}
+
 /* ---- linear timing (printed, not asserted) ----
  * Decode-sized calls, 64 of them captured into one CUDA graph (which also
  * checks that the op queues nothing a capture refuses), replayed and
@@ -954,6 +1028,7 @@ static void run_variant(const char *variant, double tol) {
     if (p.cpu && p.gpu) {
         test_gemm(&p);
         test_linear(&p);
+        test_linear_embed(&p);
         test_layer_norm(&p);
         test_elementwise(&p);
         test_rows(&p);
