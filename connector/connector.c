@@ -75,6 +75,11 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
     c->layers = mc->num_hidden_layers;
     c->kv_dim = mc->hidden_size;
     c->block_size = opt_kv_block_size(kv);
+    if (cfg->transport == KV_TRANSPORT_NCCL && be->device < 0) {
+        kv_connector_destroy(c);
+        return pd_fail(err, "kv_transfer_config transport \"nccl\" sends KV from GPU memory, but this instance's KV "
+                            "cache is on the %s (use --device cuda, or transport \"tcp\")", be->name);
+    }
     /* What both sides must agree on for the bytes to mean the same thing. */
     snprintf(c->fingerprint, sizeof c->fingerprint,
              "opt layers=%d hidden=%d heads=%d head_dim=%d vocab=%d dtype=%s layout=token-major-kv-v1",
@@ -165,6 +170,58 @@ static void tensor_id(char *out, size_t cap, const char *transfer_id, int layer)
     snprintf(out, cap, "%s#%d", transfer_id, layer);
 }
 
+/* One layer's K and V rows as one contiguous tensor, ready for the transfer
+ * engine. Over nccl the rows are gathered straight into a device buffer of
+ * the engine's, sent in place GPU to GPU once the caller has waited for the
+ * gathers queued on the backend's stream. Over tcp they
+ * are gathered into the device scratch `dev` and copied down into a host
+ * buffer (the copy waits for the gathers). The buffer is the caller's until
+ * handed to p2p. */
+static void *stage_layer(kv_connector *c, int layer, const int32_t *slots, int n_tokens, void *dev, size_t nbytes,
+                         pd_err *err) {
+    const bool in_place = c->cfg.transport == KV_TRANSPORT_NCCL;
+    const size_t row = (size_t)c->kv_dim * c->be->elem_size;
+    void *dst = in_place ? p2p_buffer_alloc(c->p2p, nbytes, err) : dev;
+    if (!dst) return NULL;
+    void *k, *v;
+    opt_kv_layer(c->kv, layer, &k, &v);
+    c->be->gather_rows(c->be, dst, k, slots, n_tokens, c->kv_dim);
+    c->be->gather_rows(c->be, (char *)dst + (size_t)n_tokens * row, v, slots, n_tokens, c->kv_dim);
+    if (in_place) return dst;
+    void *host = p2p_buffer_alloc(c->p2p, nbytes, err);
+    if (host && c->be->copy_d2h(c->be, host, dev, nbytes, err) != 0) {
+        p2p_buffer_free(c->p2p, host);
+        host = NULL;
+    }
+    return host;
+}
+
+/* Hand one staged layer to the transfer engine the configured way. The
+ * buffer is gone after this call, whatever it returns. */
+static int send_layer(kv_connector *c, const kv_request_params *params, const char *transfer_id, int layer,
+                      const int64_t *shape, void *buf, size_t nbytes, double deadline, pd_err *err) {
+    char id[160];
+    tensor_id(id, sizeof id, transfer_id, layer);
+    const char *dtype = pd_dtype_name(c->be->dtype);
+    int rc = 0;
+    switch (c->cfg.send_type) {
+    case KV_SEND_PUT: /* p2p_put only reads buf during the call */
+        rc = p2p_put(c->p2p, params->remote_kv_addr, id, dtype, 4, shape, buf, nbytes, deadline, err);
+        p2p_buffer_free(c->p2p, buf);
+        return rc;
+    case KV_SEND_PUT_ASYNC: /* the send thread owns buf from here */
+        rc = p2p_put_async(c->p2p, params->remote_kv_addr, id, dtype, 4, shape, buf, nbytes, deadline, err);
+        break;
+    case KV_SEND_GET: /* kept until the consumer pulls it (or the deadline) */
+        rc = p2p_offer(c->p2p, id, dtype, 4, shape, buf, nbytes, deadline, err);
+        break;
+    }
+    /* Outcomes of background sends are counted by the transfer engine
+     * (kv_sends_total); nobody asks for them by id, so drop the record. */
+    if (rc == 0) p2p_forget_send(c->p2p, id);
+    return rc;
+}
+
 int kv_connector_save(kv_connector *c, const kv_request_params *params, const int32_t *block_table, int n_tokens,
                       const char *request_tag, kv_save_result *out, pd_err *err) {
     double t0 = pd_now();
@@ -176,52 +233,43 @@ int kv_connector_save(kv_connector *c, const kv_request_params *params, const in
     const size_t row = (size_t)c->kv_dim * c->be->elem_size;
     const size_t nbytes = 2 * (size_t)n_tokens * row;
     const int64_t shape[4] = {2, n_tokens, mc->num_attention_heads, mc->head_dim};
+    const bool in_place = c->cfg.transport == KV_TRANSPORT_NCCL;
     double deadline = t0 + c->cfg.timeout_s;
     int32_t *slots = slots_upload(c, block_table, n_tokens, err);
-    void *dev = slots ? c->be->alloc(c->be, nbytes ? nbytes : 1, err) : NULL;
-    int rc = dev ? 0 : -1;
-    for (int l = 0; l < c->layers && rc == 0; l++) {
-        void *k, *v;
-        opt_kv_layer(c->kv, l, &k, &v);
-        c->be->gather_rows(c->be, dev, k, slots, n_tokens, c->kv_dim);
-        c->be->gather_rows(c->be, (char *)dev + (size_t)n_tokens * row, v, slots, n_tokens, c->kv_dim);
-        void *host = malloc(nbytes ? nbytes : 1);
-        if (!host) {
-            rc = pd_fail(err, "out of memory for %zu bytes of KV", nbytes);
-            break;
+    /* tcp: one device scratch the layers are gathered into in turn, then
+     * copied down; nccl: every layer gathered into its own send buffer. */
+    void *dev = slots && !in_place ? c->be->alloc(c->be, nbytes ? nbytes : 1, err) : NULL;
+    void **staged = slots ? calloc((size_t)c->layers, sizeof *staged) : NULL;
+    int rc = slots && staged && (in_place || dev) ? 0 : -1;
+    if (slots && !staged) pd_fail(err, "out of memory");
+    if (in_place) {
+        /* Queue every layer's gathers, then wait for them once: NCCL sends
+         * from its own stream, which knows nothing of the backend's. */
+        for (int l = 0; l < c->layers && rc == 0; l++)
+            if (!(staged[l] = stage_layer(c, l, slots, n_tokens, NULL, nbytes, err))) rc = -1;
+        if (rc == 0 && c->be->sync(c->be, err) != 0) rc = -1;
+        for (int l = 0; l < c->layers && rc == 0; l++) {
+            rc = send_layer(c, params, out->transfer_id, l, shape, staged[l], nbytes, deadline, err);
+            staged[l] = NULL; /* gone with the call */
         }
-        if (c->be->copy_d2h(c->be, host, dev, nbytes, err) != 0) {
-            free(host);
-            rc = -1;
-            break;
+    } else {
+        /* tcp: layer by layer, so at most one layer's copy is in flight here. */
+        for (int l = 0; l < c->layers && rc == 0; l++) {
+            void *host = stage_layer(c, l, slots, n_tokens, dev, nbytes, err);
+            rc = host ? send_layer(c, params, out->transfer_id, l, shape, host, nbytes, deadline, err) : -1;
         }
-        char id[160];
-        tensor_id(id, sizeof id, out->transfer_id, l);
-        const char *dtype = pd_dtype_name(c->be->dtype);
-        switch (c->cfg.send_type) {
-        case KV_SEND_PUT:
-            rc = p2p_put(c->p2p, params->remote_kv_addr, id, dtype, 4, shape, host, nbytes, deadline, err);
-            free(host);
-            break;
-        case KV_SEND_PUT_ASYNC: /* the send thread owns host from here */
-            rc = p2p_put_async(c->p2p, params->remote_kv_addr, id, dtype, 4, shape, host, nbytes, deadline, err);
-            break;
-        case KV_SEND_GET: /* kept until the consumer pulls it (or the deadline) */
-            rc = p2p_offer(c->p2p, id, dtype, 4, shape, host, nbytes, deadline, err);
-            break;
-        }
-        /* Outcomes of background sends are counted by the transfer engine
-         * (kv_sends_total); nobody asks for them by id, so drop the record. */
-        if (rc == 0 && c->cfg.send_type != KV_SEND_PUT) p2p_forget_send(c->p2p, id);
     }
+    for (int l = 0; staged && l < c->layers; l++)
+        if (staged[l]) p2p_buffer_free(c->p2p, staged[l]); /* staged, never handed over */
+    free(staged);
     if (dev) c->be->free(c->be, dev);
     if (slots) c->be->free(c->be, slots);
     double dt = pd_now() - t0;
     stats_add(c, true, rc == 0, dt);
     if (rc != 0) return pd_wrap(err, "sending KV of %s to %s", request_tag, params->remote_kv_addr);
-    pd_log(PD_LOG_DEBUG, "kv save %s: %d tokens x %d layers = %zu bytes as %s to %s (%s) in %.2f ms", request_tag,
-           n_tokens, c->layers, nbytes * (size_t)c->layers, out->transfer_id, params->remote_kv_addr,
-           kv_send_type_name(c->cfg.send_type), dt * 1e3);
+    pd_log(PD_LOG_DEBUG, "kv save %s: %d tokens x %d layers = %zu bytes as %s to %s (%s over %s) in %.2f ms",
+           request_tag, n_tokens, c->layers, nbytes * (size_t)c->layers, out->transfer_id, params->remote_kv_addr,
+           kv_send_type_name(c->cfg.send_type), in_place ? "nccl" : "tcp", dt * 1e3);
     return 0;
 }
 

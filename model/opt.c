@@ -36,6 +36,11 @@ typedef struct opt_scratch {
                          * so that a queued step (opt_forward_queue) writes
                          * one while the host reads the other */
     bool ids_mapped;    /* ids is host_alloc memory (pd_backend.host_mapped) */
+    int32_t *chain_ids; /* [cap_logits] device: where ids_mapped, a chained
+                         * decode graph first copies the other buffer's picks
+                         * here, so its embedding reads device memory (a
+                         * read of mapped memory crosses PCIe, from every
+                         * block of the fused layer-0 qkv kernel) */
     float *sample_dev;  /* [n_logits, 5] sampling parameters (device) */
     void *meta_dev;     /* int32 [cap_meta] */
     int32_t *meta_host; /* host staging for the same (host_alloc) */
@@ -60,6 +65,10 @@ typedef struct opt_graphs {
     void *exec[OPT_GRAPH_SIZES][4];
     int last_variant[OPT_GRAPH_SIZES]; /* the variant replayed last (opt_model_time_graph) */
     int replays, captures;            /* for logs and tests */
+    /* PDSERVE_CHAIN_IDS=mapped: a chained recording reads its tokens in
+     * place from the mapped picks buffer, not through chain_ids (an A/B of
+     * the copy node; read when graphs are turned on). */
+    bool chain_in_place;
 } opt_graphs;
 
 /* Steps queued by opt_forward_queue and not yet handed out by
@@ -342,6 +351,8 @@ static void ids_free(pd_backend *be, opt_scratch *s) {
     }
     host_free(be, s->ids_host);
     s->ids_host = NULL;
+    be->free(be, s->chain_ids);
+    s->chain_ids = NULL;
     s->ids_mapped = false;
 }
 /* Both buffers start as valid ids (zeros): a chained step's embedding may
@@ -355,6 +366,7 @@ static int ids_alloc(pd_backend *be, opt_scratch *s, int cap, pd_err *err) {
             if (!s->ids[b]) return pd_fail(err, "opt forward: out of host memory for %d ids", cap);
             memset(s->ids[b], 0, bytes);
         }
+        if (!(s->chain_ids = be->alloc(be, bytes, err))) return -1;
         return 0;
     }
     for (int b = 0; b < 2; b++)
@@ -923,6 +935,8 @@ int opt_model_set_graphs(opt_model *m, bool enable, int max_batch, pd_err *err) 
         return pd_fail(err, "opt graphs: max batch %d not in [1, 512]", max_batch);
     m->g.enabled = true;
     m->g.max_batch = max_batch;
+    const char *chain = getenv("PDSERVE_CHAIN_IDS");
+    m->g.chain_in_place = chain && !strcmp(chain, "mapped");
     /* Scratch for the largest recording now, so a small first step does not
      * record pointers that a larger one will move. */
     return scratch_reserve(m, graph_size_at(graph_index_for(max_batch)),
@@ -1007,9 +1021,13 @@ static int graph_record(opt_model *m, opt_kv_storage *kv, int idx, int v, const 
     opt_graphs *g = &m->g;
     const int B = graph_size_at(idx), buf = v >> 1;
     pd_step_meta rec = *meta;
-    if (v & 1) rec.token_ids = m->s.ids[buf ^ 1];
+    /* Picks in mapped host memory come down in one copy node of B ids. */
+    const bool copy_ids = (v & 1) && m->s.ids_mapped && !g->chain_in_place;
+    if (v & 1) rec.token_ids = copy_ids ? m->s.chain_ids : m->s.ids[buf ^ 1];
     if (be->graph_begin(be, err) != 0) return -1;
-    if (copy_meta(be, g->meta_dev, g->meta_host[buf], n_meta * sizeof(int32_t), err) != 0) {
+    if (copy_meta(be, g->meta_dev, g->meta_host[buf], n_meta * sizeof(int32_t), err) != 0 ||
+        (copy_ids && be->copy_h2d_async(be, m->s.chain_ids, m->s.ids[buf ^ 1], (size_t)B * sizeof(int32_t),
+                                        err) != 0)) {
         void *dropped = NULL;
         pd_err ignored;
         if (be->graph_end(be, &dropped, &ignored) == 0) be->graph_free(be, dropped);

@@ -5,10 +5,13 @@
         [--check-dtype float32] [--requests 32] [--max-tokens 32]
         [--bench-lengths 128,512,2016] [--concurrency 1,8] [--bench-requests 16]
         [--send-type PUT_ASYNC] [--transport tcp] [--json SUMMARY.json]
+        [--prefill-device cuda:0 --decode-device cuda:1]   (nccl: two GPUs)
 
 Starts pdproxy (discovery on), a prefill instance (kv_producer), a decode
 instance (kv_consumer) — both announcing themselves to the proxy — and a
-colocated instance, all `pdserve serve --device DEVICE` on the same device.
+colocated instance, all `pdserve serve --device DEVICE` on the same device
+(or prefill and decode on --prefill-device / --decode-device: the nccl
+transport needs them on two different GPUs, as NCCL puts one rank per GPU).
 
 1. Correctness (instances in --check-dtype, default float32 so that rounding
    cannot flip a greedy near tie): --requests completions (temperature 0,
@@ -187,8 +190,9 @@ def kv_config(role, kv_port, disc_port, http_port, a):
 def start_stack(a, dtype, model, pdserve, pdproxy, log_dir, tag):
     stack = Stack(log_dir)
     px, disc, p_http, d_http, c_http, p_kv, d_kv = free_ports(7)
-    common = [model, "--host", "127.0.0.1", "--served-model-name", "m", "--device", a.device,
+    common = [model, "--host", "127.0.0.1", "--served-model-name", "m",
               "--dtype", dtype, "--max-model-len", str(a.max_model_len), "--log-level", a.log_level]
+    dev = {"prefill": a.prefill_device or a.device, "decode": a.decode_device or a.device, "colocated": a.device}
     if a.device != "cpu":
         # Three instances share one GPU: each takes a share of its memory, as
         # vLLM instances side by side must (the default 0.9 fits only one).
@@ -198,19 +202,20 @@ def start_stack(a, dtype, model, pdserve, pdproxy, log_dir, tag):
                                      str(disc), "--discovery-host", "127.0.0.1", "--log-level", a.log_level],
                     env_for(pdproxy))
         stack.start(tag + "-prefill", [pdserve, "serve"] + common + [
-            "--port", str(p_http), "--kv-transfer-config", kv_config("kv_producer", p_kv, disc, p_http, a)],
+            "--device", dev["prefill"], "--port", str(p_http), "--kv-transfer-config", kv_config("kv_producer", p_kv, disc, p_http, a)],
             env_for(pdserve))
         stack.start(tag + "-decode", [pdserve, "serve"] + common + [
-            "--port", str(d_http), "--block-size", str(a.decode_block_size),
+            "--device", dev["decode"], "--port", str(d_http), "--block-size", str(a.decode_block_size),
             "--kv-transfer-config", kv_config("kv_consumer", d_kv, disc, d_http, a)], env_for(pdserve))
-        stack.start(tag + "-colocated", [pdserve, "serve"] + common + ["--port", str(c_http)], env_for(pdserve))
+        stack.start(tag + "-colocated", [pdserve, "serve"] + common + ["--device", dev["colocated"], "--port",
+                                                                        str(c_http)], env_for(pdserve))
         urls = {k: "http://127.0.0.1:%d" % v for k, v in
                 (("proxy", px), ("prefill", p_http), ("decode", d_http), ("colocated", c_http))}
         t = {k: wait_healthy(stack, urls[k], k, a.start_timeout) for k in ("prefill", "decode", "colocated")}
         # The proxy is healthy once both instances' announcements arrived.
         t["proxy"] = wait_healthy(stack, urls["proxy"], "pdproxy (waiting for both announcements)", 30)
-        print("%s stack up (%s, %s): %s; ready after %s" % (
-            tag, a.device, dtype, ", ".join("%s %s" % kv for kv in urls.items()),
+        print("%s stack up (prefill on %s, decode on %s, colocated on %s; %s): %s; ready after %s" % (
+            tag, dev["prefill"], dev["decode"], dev["colocated"], dtype, ", ".join("%s %s" % kv for kv in urls.items()),
             ", ".join("%s %.1f s" % kv for kv in t.items())))
     except BaseException:
         stack_failed(stack)
@@ -421,6 +426,9 @@ def main():
     ap.add_argument("--bench-requests", type=int, default=16, help="requests per (length, concurrency, setup)")
     ap.add_argument("--send-type", default="PUT_ASYNC", choices=["PUT", "PUT_ASYNC", "GET"])
     ap.add_argument("--transport", default="tcp", choices=["tcp", "nccl"])
+    ap.add_argument("--prefill-device", default=None,
+                    help="the prefill instance's --device (default --device); nccl needs two GPUs: cuda:0 ...")
+    ap.add_argument("--decode-device", default=None, help="the decode instance's --device, e.g. cuda:1")
     ap.add_argument("--decode-block-size", type=int, default=16)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                     help="each instance's share of the GPU (three run on one)")
@@ -449,7 +457,8 @@ def main():
         a.max_model_len = json.load(f)["max_position_embeddings"]
     print("gpu-disagg: model %s, pdserve %s, logs in %s" % (model, pdserve, log_dir))
 
-    summary = {"model": model, "device": a.device, "passed": False}
+    summary = {"model": model, "device": a.device, "prefill_device": a.prefill_device or a.device,
+               "decode_device": a.decode_device or a.device, "transport": a.transport, "passed": False}
     ok = False
     try:
         stack, urls = start_stack(a, a.check_dtype, model, pdserve, pdproxy, log_dir, "check")

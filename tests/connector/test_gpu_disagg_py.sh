@@ -28,7 +28,7 @@ python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); assert j["passed"] 
   ok || bad "summary json"
 [ "$(children)" -eq 0 ] && ok || bad "processes left behind: $(pgrep -af -- "$tmp/m")"
 
-# nccl cannot start without a GPU: a clean failure naming the log, no leftovers.
+# nccl cannot start on CPU instances: a clean failure naming the log, no leftovers.
 if nvidia-smi -L >/dev/null 2>&1; then
   checks_done "the no-GPU failure case skipped: a GPU is visible"
   exit
@@ -38,6 +38,9 @@ rc=$?
 [ $rc -eq 1 ] && ok || bad "nccl run should fail with 1, got $rc"
 grep -q 'gpu-disagg: FAIL: .*exited' "$tmp/out2" && grep -q 'last .* lines ---' "$tmp/out2" && ok ||
   bad "failure report: $(tail -20 "$tmp/out2")"
+# The instance itself says why: nccl sends from GPU memory, the KV is on the CPU.
+grep -q 'transport "nccl" sends KV from GPU memory.*--device cuda' "$tmp/out2" && ok ||
+  bad "the server log should say nccl needs the KV on a GPU: $(grep -i nccl "$tmp/out2" | head -5)"
 [ "$(children)" -eq 0 ] && ok || bad "processes left behind after the failure"
 
 checks_done
