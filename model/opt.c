@@ -87,6 +87,7 @@ typedef struct opt_ahead {
     int cap;            /* rows of picks, last_picks, steps and tokens */
     int32_t *picks[2];  /* host copies by buffer */
     int32_t *last_picks;
+    uint64_t chained_on_device, chained_on_host; /* opt_model_chain_stats */
     opt_seq_step *steps; /* a chained step with its tokens filled in */
     int32_t *tokens;
     float *params_host[2]; /* sampling parameters by buffer (host_alloc), cap * 5 */
@@ -953,6 +954,11 @@ int opt_model_graph_stats(const opt_model *m, int *captures, int *replays) {
     return m->g.enabled;
 }
 
+void opt_model_chain_stats(const opt_model *m, uint64_t *on_device, uint64_t *on_host) {
+    if (on_device) *on_device = m->ahead.chained_on_device;
+    if (on_host) *on_host = m->ahead.chained_on_host;
+}
+
 int opt_model_time_graph(opt_model *m, int n_seqs, int reps, double *seconds, pd_err *err) {
     opt_graphs *g = &m->g;
     if (!g->enabled || n_seqs < 1 || n_seqs > g->max_batch || reps < 1 || g->replays == 0)
@@ -1223,6 +1229,10 @@ int opt_forward_queue(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs
     const opt_seq_step *run = seqs;
     if (chain_rows) {
         if (!device_chain && ahead_drain(m, err) != 0) return -1;
+        if (device_chain)
+            a->chained_on_device++;
+        else
+            a->chained_on_host++;
         const int32_t *from = prev ? a->picks[prev->buf] : a->last_picks;
         for (int i = 0; i < n_seqs; i++) {
             a->steps[i] = seqs[i];

@@ -99,6 +99,11 @@ int opt_model_set_graphs(opt_model *m, bool enable, int max_batch, pd_err *err);
 int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, int *recorded, pd_err *err);
 /* Graphs recorded and replayed so far; returns whether graphs are on. */
 int opt_model_graph_stats(const opt_model *m, int *captures, int *replays);
+/* Chained steps of opt_forward_queue so far: on_device, queued behind the
+ * step before with their tokens read on the device (the overlap async
+ * scheduling is for); on_host, queued only after waiting for the step
+ * before (rows reordered, no graph, ...). Either may be NULL. */
+void opt_model_chain_stats(const opt_model *m, uint64_t *on_device, uint64_t *on_host);
 /* For benchmarks: replays the decode graph of n_seqs sequences reps times
  * back to back on the last graph step's metadata (so each replay redoes
  * that step: same positions, same KV slots), then waits. *seconds per

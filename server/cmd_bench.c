@@ -273,10 +273,14 @@ static int bench_device(const bench_opts *o, const char *model_arg) {
                "(%.1f MB at %.0f GB/s) = %.0f%% of the limit\n",
                graphs ? "CUDA graphs" : "eager", t_decode * 1e3, 1 / t_decode, o->prompt_len, total - 1,
                decode_bytes / bw * 1e3, decode_bytes / 1e6, bw / 1e9, 100 * (decode_bytes / bw) / t_decode);
-    if (t_ahead > 0)
+    if (t_ahead > 0) {
+        uint64_t on_device = 0, on_host = 0;
+        opt_model_chain_stats(m, &on_device, &on_host);
         printf("decode ahead (batch 1, greedy, %s, each step queued before the previous one is read): "
-               "%.4f ms/token at context %d..%d\n",
-               graphs ? "CUDA graphs" : "eager", t_ahead * 1e3, o->prompt_len, total - 1);
+               "%.4f ms/token at context %d..%d; %llu steps chained on the device, %llu after a wait\n",
+               graphs ? "CUDA graphs" : "eager", t_ahead * 1e3, o->prompt_len, total - 1,
+               (unsigned long long)on_device, (unsigned long long)on_host);
+    }
     if (t_graph > 0)
         printf("decode step at context %d on the device (its graph replayed 200 times back to "
                "back): %.4f ms; the rest of a token's time is the host's (metadata, launch, ids "

@@ -165,9 +165,10 @@ static void throughput_report(const serve_options *so, const throughput_opts *o,
             r->prompt_tokens, r->output_tokens, r->elapsed);
     fprintf(out,
             "Engine: %llu steps, mean %.3f ms per step (elapsed / steps), %llu tokens through the "
-            "model, %llu preemptions\n",
+            "model, %llu preemptions, %llu steps queued ahead (%llu with tokens read on the device)\n",
             (unsigned long long)s->steps, s->steps ? 1e3 * r->elapsed / (double)s->steps : 0.0,
-            (unsigned long long)s->step_tokens, (unsigned long long)s->preemptions);
+            (unsigned long long)s->step_tokens, (unsigned long long)s->preemptions,
+            (unsigned long long)s->steps_ahead, (unsigned long long)s->steps_chained);
 }
 
 static int throughput_json(const serve_options *so, const throughput_opts *o,

@@ -400,6 +400,7 @@ static void engine_admit_inbox(engine *e, engine_seq *list) {
 
 static void engine_publish_stats(engine *e) {
     engine_stats st = e->work;
+    opt_model_chain_stats(e->model, &st.steps_chained, NULL);
     scheduler_counts(e->sched, &st.running, &st.waiting);
     st.total_blocks = kv_pool_num_blocks(e->pool);
     st.free_blocks = kv_pool_num_free(e->pool);
@@ -577,7 +578,9 @@ static bool engine_queue_next(engine *e, const sched_batch *cur, sched_batch *ne
     pd_err err = {{0}};
     if (engine_reserve_rows(e, cur->n, &err) != 0) return false;
     if (scheduler_schedule_next(e->sched, cur, next, e->chain) <= 0) return false;
-    return engine_queue(e, next, e->chain) == QUEUE_OK;
+    if (engine_queue(e, next, e->chain) != QUEUE_OK) return false;
+    e->work.steps_ahead++;
+    return true;
 }
 
 static void *engine_loop(void *arg) {

@@ -260,6 +260,13 @@ char *metrics_render(metrics *m, const engine_stats *st, size_t *len) {
                (double)st->steps);
         sample(&b, m, "pdserve:engine_step_tokens_total", "counter",
                "Tokens run through the model in all engine steps.", (double)st->step_tokens);
+        sample(&b, m, "pdserve:engine_steps_ahead_total", "counter",
+               "Steps queued while the step before was still running (--async-scheduling).",
+               (double)st->steps_ahead);
+        sample(&b, m, "pdserve:engine_steps_chained_on_device_total", "counter",
+               "Steps queued ahead whose tokens the device read from the step before, so the host "
+               "never waited between them.",
+               (double)st->steps_chained);
         sample(&b, m, "pdserve:kv_cache_free_blocks", "gauge", "KV-cache blocks not in use.",
                st->free_blocks);
         sample(&b, m, "pdserve:kv_cache_total_blocks", "gauge", "KV-cache blocks in all.",

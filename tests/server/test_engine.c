@@ -180,6 +180,8 @@ int main(void) {
     wait_idle(e, &st);
     CHECKF(st.free_blocks == st.total_blocks, "blocks leaked after abort: %d of %d free", st.free_blocks,
            st.total_blocks);
+    CHECKF(st.steps > 0 && st.steps_ahead == 0, "without --async-scheduling %llu steps went ahead",
+           (unsigned long long)st.steps_ahead);
 
     /* Invalid requests are refused with a reason. */
     int32_t bad[2] = {50256, 60000};
@@ -247,6 +249,9 @@ int main(void) {
     wait_idle(e, &st);
     CHECKF(st.free_blocks == st.total_blocks, "async scheduling: blocks leaked: %d of %d free", st.free_blocks,
            st.total_blocks);
+    /* The outputs above prove nothing unless steps really went ahead. */
+    CHECKF(st.steps_ahead > 0 && st.steps_ahead < st.steps, "async scheduling: %llu of %llu steps queued ahead",
+           (unsigned long long)st.steps_ahead, (unsigned long long)st.steps);
     engine_destroy(e);
     /* And with the tiny KV budget (preemption; blocks for the next step not
      * always free). */
