@@ -1046,23 +1046,30 @@ static int graph_record(opt_model *m, opt_kv_storage *kv, int idx, int v, const 
     return 0;
 }
 
-int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, int *recorded, pd_err *err) {
+int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, bool queued_variants, int *recorded, pd_err *err) {
     opt_graphs *g = &m->g;
+    const pd_backend *be = m->be;
     if (recorded) *recorded = 0;
     if (!g->enabled) return 0;
     const int last = graph_index_for(g->max_batch), B_max = graph_size_at(last);
     if (scratch_reserve(m, B_max, B_max, 1, err) != 0 || graphs_attach(m, kv, err) != 0) return -1;
+    /* The variants opt_forward_queue replays (second picks buffer, tokens
+     * from the other buffer's picks) exist only where steps can be queued. */
+    const bool can_queue =
+        queued_variants && be->event_create && be->event_record && be->event_wait && be->argmax && m->s.ids_mapped;
     for (int idx = 0; idx <= last; idx++) {
-        if (g->exec[idx][0]) continue;
-        const int B = graph_size_at(idx);
-        pd_step_meta meta;
-        const int32_t *logit_rows = NULL;
-        /* Padding sequences only: the recording depends on the sizes, and
-         * nothing runs until a real step's metadata is in place. */
-        const size_t n = fill_meta(g->meta_host[0], (const int32_t *)g->meta_dev, kv, NULL, 0, B, B,
-                                   B, g->max_blocks, 0, &meta, &logit_rows);
-        if (graph_record(m, kv, idx, 0, &meta, n, logit_rows, err) != 0) return -1;
-        if (recorded) (*recorded)++;
+        for (int v = 0; v < (can_queue ? 4 : 1); v++) {
+            if (g->exec[idx][v]) continue;
+            const int B = graph_size_at(idx);
+            pd_step_meta meta;
+            const int32_t *logit_rows = NULL;
+            /* Padding sequences only: the recording depends on the sizes, and
+             * nothing runs until a real step's metadata is in place. */
+            const size_t n = fill_meta(g->meta_host[v >> 1], (const int32_t *)g->meta_dev, kv, NULL, 0, B, B,
+                                       B, g->max_blocks, 0, &meta, &logit_rows);
+            if (graph_record(m, kv, idx, v, &meta, n, logit_rows, err) != 0) return -1;
+            if (recorded) (*recorded)++;
+        }
     }
     return 0;
 }

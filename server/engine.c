@@ -786,7 +786,7 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
          * shape), which would otherwise land on live requests. */
         const double t_rec = pd_now();
         int recorded = 0;
-        if (opt_model_record_graphs(e->model, e->kv, &recorded, err) != 0) {
+        if (opt_model_record_graphs(e->model, e->kv, cfg->async_scheduling, &recorded, err) != 0) {
             pd_wrap(err, "recording decode graphs (--enforce-eager runs without them)");
             goto fail;
         }
