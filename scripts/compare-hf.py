@@ -179,6 +179,7 @@ class HFReference:
         from transformers import OPTForCausalLM
 
         self.torch = torch
+        self.batch_dropped = False  # run_all fell back to one prompt at a time
         torch.set_grad_enabled(False)
         # The reference as exact as its dtype allows: fp32 without TF32, and
         # 16-bit GEMMs without reduced-precision (16-bit) split-K reductions,
@@ -264,6 +265,7 @@ class HFReference:
             d, _ = max_abs_diff(one["rows"], results[i]["rows"])
             if not d <= tol / 4:
                 print("note: batched HF logits differ from single-prompt ones by %.3g; running prompts one by one" % d)
+                self.batch_dropped = True
                 return [self.run(ids, tokens) for ids in prompts]
         return results
 
@@ -330,6 +332,10 @@ def main():
     ap.add_argument("--hf-self-check", action="store_true",
                     help="also run HF one prompt at a time and report how often HF's batched and "
                          "one-by-one continuations agree (the reference's own noise at fp16 ties)")
+    ap.add_argument("--hf-attn-check", default=None, metavar="IMPL",
+                    help="also run HF with attn_implementation IMPL (e.g. eager), one prompt at a time, and "
+                         "report how often its continuations agree with the reference's: how far a legitimate "
+                         "change of attention arithmetic alone moves them")
     ap.add_argument("--json", default=None, help="write a summary JSON here")
     a = ap.parse_args()
 
@@ -438,8 +444,14 @@ def compare(a, binary, cfg, name, tol, work):
         pd["wall_seconds"], secs.get("all_positions", 0), secs.get("prefill", 0), secs.get("decode", 0),
         ref_seconds))
     self_check = None
-    if a.hf_self_check and batched:
+    if a.hf_self_check and batched and getattr(ref, "batch_dropped", False):
+        print("HF against itself: not measured (the padded batch was dropped, so the reference already ran "
+              "one prompt at a time)")
+    elif a.hf_self_check and batched:
         self_check = hf_self_check(ref, prompts, a.tokens, batched, pd)
+    attn_check = None
+    if a.hf_attn_check and a.reference == "hf":
+        attn_check = hf_attn_check(a, ref_model, prompts, batched, ref, pd, tol)
     passed = logits_ok and greedy_ok
     print("RESULT: %s (logits %s tolerance %g; continuations %d/%d %s %d)" % (
         "PASS" if passed else "FAIL", "within" if logits_ok else "NOT within", tol, identical, len(prompts),
@@ -448,7 +460,7 @@ def compare(a, binary, cfg, name, tol, work):
             "prompts": len(prompts), "tokens": a.tokens, "max_abs_positions": worst_pos,
             "max_abs_prefill": worst_pre, "max_abs_steps": worst_step, "max_rel": worst_rel,
             "identical": identical, "identical_needed": need, "near_ties": near_ties,
-            "passed": passed, "hf_self_check": self_check, "per_prompt": per_prompt}
+            "passed": passed, "hf_self_check": self_check, "hf_attn_check": attn_check, "per_prompt": per_prompt}
 
 
 def hf_self_check(ref, prompts, tokens, batched, pd):
@@ -473,6 +485,35 @@ def hf_self_check(ref, prompts, tokens, batched, pd):
           "(differing: %s), max abs logit diff %.3g over prompt positions; pdserve against HF one at a "
           "time: %d/%d identical" % (same, n, ", ".join(map(str, parted)) or "none", worst, same_pd, n))
     return {"identical": same, "differing": parted, "max_abs_positions": worst, "pdserve_identical": same_pd}
+
+
+def hf_attn_check(a, model_dir, prompts, batched, ref, pd, tol):
+    """HF against HF with another attention implementation, one prompt at a
+    time: the same weights, dtype and GEMMs, only the attention's arithmetic
+    differs. The share of identical continuations is what an exact
+    implementation of the same model can expect against the reference on
+    this model; pdserve's share is printed beside it."""
+    other = HFReference(model_dir, backend_dtype(a.backend), a.hf_device, a.hf_attn_check)
+    same = same_pd = 0
+    worst = 0.0
+    parted = []
+    for p, ids in enumerate(prompts):
+        base = batched[p] if batched else ref.run(ids, a.tokens)
+        alt = other.run(ids, a.tokens)
+        d, _ = max_abs_diff(alt["rows"], base["rows"])
+        worst = max(worst, d)
+        if alt["greedy"] == base["greedy"]:
+            same += 1
+        else:
+            parted.append(p)
+        same_pd += alt["greedy"] == pd["prompts"][p]["greedy"]
+    n = len(prompts)
+    print("HF with attention %s against the reference (%s): %d/%d continuations identical (differing: %s), "
+          "max abs logit diff %.3g over prompt positions (tolerance %g); pdserve against it: %d/%d identical" % (
+              a.hf_attn_check, ref.desc.split("attention ")[-1], same, n, ", ".join(map(str, parted)) or "none",
+              worst, tol, same_pd, n))
+    return {"attn": a.hf_attn_check, "identical": same, "differing": parted, "max_abs_positions": worst,
+            "pdserve_identical": same_pd}
 
 
 def divergence(s, g_pd, g_ref, r, ref_out, tol):
