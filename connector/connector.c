@@ -77,8 +77,11 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
     c->block_size = opt_kv_block_size(kv);
     if (cfg->transport == KV_TRANSPORT_NCCL && be->device < 0) {
         kv_connector_destroy(c);
-        return pd_fail(err, "kv_transfer_config transport \"nccl\" sends KV from GPU memory, but this instance's KV "
-                            "cache is on the %s (use --device cuda, or transport \"tcp\")", be->name);
+        return pd_fail(err,
+                       "kv_transfer_config transport \"nccl\" sends KV from GPU memory, but "
+                       "this instance's KV cache is on the %s (use --device cuda, or transport "
+                       "\"tcp\")",
+                       be->name);
     }
     /* What both sides must agree on for the bytes to mean the same thing. */
     snprintf(c->fingerprint, sizeof c->fingerprint,
@@ -177,8 +180,8 @@ static void tensor_id(char *out, size_t cap, const char *transfer_id, int layer)
  * are gathered into the device scratch `dev` and copied down into a host
  * buffer (the copy waits for the gathers). The buffer is the caller's until
  * handed to p2p. */
-static void *stage_layer(kv_connector *c, int layer, const int32_t *slots, int n_tokens, void *dev, size_t nbytes,
-                         pd_err *err) {
+static void *stage_layer(kv_connector *c, int layer, const int32_t *slots, int n_tokens, void *dev,
+                         size_t nbytes, pd_err *err) {
     const bool in_place = c->cfg.transport == KV_TRANSPORT_NCCL;
     const size_t row = (size_t)c->kv_dim * c->be->elem_size;
     void *dst = in_place ? p2p_buffer_alloc(c->p2p, nbytes, err) : dev;
@@ -198,19 +201,22 @@ static void *stage_layer(kv_connector *c, int layer, const int32_t *slots, int n
 
 /* Hand one staged layer to the transfer engine the configured way. The
  * buffer is gone after this call, whatever it returns. */
-static int send_layer(kv_connector *c, const kv_request_params *params, const char *transfer_id, int layer,
-                      const int64_t *shape, void *buf, size_t nbytes, double deadline, pd_err *err) {
+static int send_layer(kv_connector *c, const kv_request_params *params, const char *transfer_id,
+                      int layer, const int64_t *shape, void *buf, size_t nbytes, double deadline,
+                      pd_err *err) {
     char id[160];
     tensor_id(id, sizeof id, transfer_id, layer);
     const char *dtype = pd_dtype_name(c->be->dtype);
     int rc = 0;
     switch (c->cfg.send_type) {
     case KV_SEND_PUT: /* p2p_put only reads buf during the call */
-        rc = p2p_put(c->p2p, params->remote_kv_addr, id, dtype, 4, shape, buf, nbytes, deadline, err);
+        rc = p2p_put(c->p2p, params->remote_kv_addr, id, dtype, 4, shape, buf, nbytes, deadline,
+                     err);
         p2p_buffer_free(c->p2p, buf);
         return rc;
     case KV_SEND_PUT_ASYNC: /* the send thread owns buf from here */
-        rc = p2p_put_async(c->p2p, params->remote_kv_addr, id, dtype, 4, shape, buf, nbytes, deadline, err);
+        rc = p2p_put_async(c->p2p, params->remote_kv_addr, id, dtype, 4, shape, buf, nbytes,
+                           deadline, err);
         break;
     case KV_SEND_GET: /* kept until the consumer pulls it (or the deadline) */
         rc = p2p_offer(c->p2p, id, dtype, 4, shape, buf, nbytes, deadline, err);
@@ -249,14 +255,17 @@ int kv_connector_save(kv_connector *c, const kv_request_params *params, const in
             if (!(staged[l] = stage_layer(c, l, slots, n_tokens, NULL, nbytes, err))) rc = -1;
         if (rc == 0 && c->be->sync(c->be, err) != 0) rc = -1;
         for (int l = 0; l < c->layers && rc == 0; l++) {
-            rc = send_layer(c, params, out->transfer_id, l, shape, staged[l], nbytes, deadline, err);
+            rc =
+                send_layer(c, params, out->transfer_id, l, shape, staged[l], nbytes, deadline, err);
             staged[l] = NULL; /* gone with the call */
         }
     } else {
         /* tcp: layer by layer, so at most one layer's copy is in flight here. */
         for (int l = 0; l < c->layers && rc == 0; l++) {
             void *host = stage_layer(c, l, slots, n_tokens, dev, nbytes, err);
-            rc = host ? send_layer(c, params, out->transfer_id, l, shape, host, nbytes, deadline, err) : -1;
+            rc = host ? send_layer(c, params, out->transfer_id, l, shape, host, nbytes, deadline,
+                                   err)
+                      : -1;
         }
     }
     for (int l = 0; staged && l < c->layers; l++)
@@ -267,9 +276,11 @@ int kv_connector_save(kv_connector *c, const kv_request_params *params, const in
     double dt = pd_now() - t0;
     stats_add(c, true, rc == 0, dt);
     if (rc != 0) return pd_wrap(err, "sending KV of %s to %s", request_tag, params->remote_kv_addr);
-    pd_log(PD_LOG_DEBUG, "kv save %s: %d tokens x %d layers = %zu bytes as %s to %s (%s over %s) in %.2f ms",
-           request_tag, n_tokens, c->layers, nbytes * (size_t)c->layers, out->transfer_id, params->remote_kv_addr,
-           kv_send_type_name(c->cfg.send_type), in_place ? "nccl" : "tcp", dt * 1e3);
+    pd_log(PD_LOG_DEBUG,
+           "kv save %s: %d tokens x %d layers = %zu bytes as %s to %s (%s over %s) in %.2f ms",
+           request_tag, n_tokens, c->layers, nbytes * (size_t)c->layers, out->transfer_id,
+           params->remote_kv_addr, kv_send_type_name(c->cfg.send_type), in_place ? "nccl" : "tcp",
+           dt * 1e3);
     return 0;
 }
 

@@ -1032,8 +1032,8 @@ static int graph_record(opt_model *m, opt_kv_storage *kv, int idx, int v, const 
     if (v & 1) rec.token_ids = copy_ids ? m->s.chain_ids : m->s.ids[buf ^ 1];
     if (be->graph_begin(be, err) != 0) return -1;
     if (copy_meta(be, g->meta_dev, g->meta_host[buf], n_meta * sizeof(int32_t), err) != 0 ||
-        (copy_ids && be->copy_h2d_async(be, m->s.chain_ids, m->s.ids[buf ^ 1], (size_t)B * sizeof(int32_t),
-                                        err) != 0)) {
+        (copy_ids && be->copy_h2d_async(be, m->s.chain_ids, m->s.ids[buf ^ 1],
+                                        (size_t)B * sizeof(int32_t), err) != 0)) {
         void *dropped = NULL;
         pd_err ignored;
         if (be->graph_end(be, &dropped, &ignored) == 0) be->graph_free(be, dropped);
@@ -1046,7 +1046,8 @@ static int graph_record(opt_model *m, opt_kv_storage *kv, int idx, int v, const 
     return 0;
 }
 
-int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, bool queued_variants, int *recorded, pd_err *err) {
+int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, bool queued_variants, int *recorded,
+                            pd_err *err) {
     opt_graphs *g = &m->g;
     const pd_backend *be = m->be;
     if (recorded) *recorded = 0;
@@ -1055,8 +1056,8 @@ int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, bool queued_varian
     if (scratch_reserve(m, B_max, B_max, 1, err) != 0 || graphs_attach(m, kv, err) != 0) return -1;
     /* The variants opt_forward_queue replays (second picks buffer, tokens
      * from the other buffer's picks) exist only where steps can be queued. */
-    const bool can_queue =
-        queued_variants && be->event_create && be->event_record && be->event_wait && be->argmax && m->s.ids_mapped;
+    const bool can_queue = queued_variants && be->event_create && be->event_record &&
+                           be->event_wait && be->argmax && m->s.ids_mapped;
     for (int idx = 0; idx <= last; idx++) {
         for (int v = 0; v < (can_queue ? 4 : 1); v++) {
             if (g->exec[idx][v]) continue;
@@ -1065,8 +1066,8 @@ int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, bool queued_varian
             const int32_t *logit_rows = NULL;
             /* Padding sequences only: the recording depends on the sizes, and
              * nothing runs until a real step's metadata is in place. */
-            const size_t n = fill_meta(g->meta_host[v >> 1], (const int32_t *)g->meta_dev, kv, NULL, 0, B, B,
-                                       B, g->max_blocks, 0, &meta, &logit_rows);
+            const size_t n = fill_meta(g->meta_host[v >> 1], (const int32_t *)g->meta_dev, kv, NULL,
+                                       0, B, B, B, g->max_blocks, 0, &meta, &logit_rows);
             if (graph_record(m, kv, idx, v, &meta, n, logit_rows, err) != 0) return -1;
             if (recorded) (*recorded)++;
         }

@@ -98,7 +98,8 @@ int opt_model_set_graphs(opt_model *m, bool enable, int max_batch, pd_err *err);
  * opt_forward_queue replays (async scheduling; where the backend can queue
  * steps), which would otherwise be recorded at their first use, on a live
  * request. *recorded: how many were new. A no-op when graphs are off. */
-int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, bool queued_variants, int *recorded, pd_err *err);
+int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, bool queued_variants, int *recorded,
+                            pd_err *err);
 /* Graphs recorded and replayed so far; returns whether graphs are on. */
 int opt_model_graph_stats(const opt_model *m, int *captures, int *replays);
 /* Chained steps of opt_forward_queue so far: on_device, queued behind the

@@ -463,23 +463,31 @@ def compare(a, binary, cfg, name, tol, work):
             "passed": passed, "hf_self_check": self_check, "hf_attn_check": attn_check, "per_prompt": per_prompt}
 
 
+def agreement(runs, base, pd):
+    """Two reference runs over the same prompts: identical continuations,
+    the prompts that part, the largest logit difference over prompt
+    positions, and how many of runs' continuations pdserve's equal."""
+    same = same_pd = 0
+    worst = 0.0
+    parted = []
+    for p, (one, other) in enumerate(zip(runs, base)):
+        d, _ = max_abs_diff(one["rows"], other["rows"])
+        worst = max(worst, d)
+        if one["greedy"] == other["greedy"]:
+            same += 1
+        else:
+            parted.append(p)
+        same_pd += one["greedy"] == pd["prompts"][p]["greedy"]
+    return same, parted, worst, same_pd
+
+
 def hf_self_check(ref, prompts, tokens, batched, pd):
     """HF against itself: the same prompts one at a time (other GEMM shapes,
     no padding mask, so other summation orders) against the padded batch.
     Where those two disagree, the continuation hangs on a tie that fp16
     rounding decides, and no other implementation can be held to either."""
-    same = same_pd = 0
-    worst = 0.0
-    parted = []
-    for p, ids in enumerate(prompts):
-        one = ref.run(ids, tokens)
-        d, _ = max_abs_diff(one["rows"], batched[p]["rows"])
-        worst = max(worst, d)
-        if one["greedy"] == batched[p]["greedy"]:
-            same += 1
-        else:
-            parted.append(p)
-        same_pd += one["greedy"] == pd["prompts"][p]["greedy"]
+    same, parted, worst, same_pd = agreement(
+        [ref.run(ids, tokens) for ids in prompts], batched, pd)
     n = len(prompts)
     print("HF against itself (one prompt at a time vs the padded batch): %d/%d continuations identical "
           "(differing: %s), max abs logit diff %.3g over prompt positions; pdserve against HF one at a "
@@ -494,19 +502,8 @@ def hf_attn_check(a, model_dir, prompts, batched, ref, pd, tol):
     implementation of the same model can expect against the reference on
     this model; pdserve's share is printed beside it."""
     other = HFReference(model_dir, backend_dtype(a.backend), a.hf_device, a.hf_attn_check)
-    same = same_pd = 0
-    worst = 0.0
-    parted = []
-    for p, ids in enumerate(prompts):
-        base = batched[p] if batched else ref.run(ids, a.tokens)
-        alt = other.run(ids, a.tokens)
-        d, _ = max_abs_diff(alt["rows"], base["rows"])
-        worst = max(worst, d)
-        if alt["greedy"] == base["greedy"]:
-            same += 1
-        else:
-            parted.append(p)
-        same_pd += alt["greedy"] == pd["prompts"][p]["greedy"]
+    base = batched or [ref.run(ids, a.tokens) for ids in prompts]
+    same, parted, worst, same_pd = agreement([other.run(ids, a.tokens) for ids in prompts], base, pd)
     n = len(prompts)
     print("HF with attention %s against the reference (%s): %d/%d continuations identical (differing: %s), "
           "max abs logit diff %.3g over prompt positions (tolerance %g); pdserve against it: %d/%d identical" % (

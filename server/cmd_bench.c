@@ -276,10 +276,12 @@ static int bench_device(const bench_opts *o, const char *model_arg) {
     if (t_ahead > 0) {
         uint64_t on_device = 0, on_host = 0;
         opt_model_chain_stats(m, &on_device, &on_host);
-        printf("decode ahead (batch 1, greedy, %s, each step queued before the previous one is read): "
-               "%.4f ms/token at context %d..%d; %llu steps chained on the device, %llu after a wait\n",
-               graphs ? "CUDA graphs" : "eager", t_ahead * 1e3, o->prompt_len, total - 1,
-               (unsigned long long)on_device, (unsigned long long)on_host);
+        printf(
+            "decode ahead (batch 1, greedy, %s, each step queued before the previous one is read): "
+            "%.4f ms/token at context %d..%d; %llu steps chained on the device, %llu after a "
+            "wait\n",
+            graphs ? "CUDA graphs" : "eager", t_ahead * 1e3, o->prompt_len, total - 1,
+            (unsigned long long)on_device, (unsigned long long)on_host);
     }
     if (t_graph > 0)
         printf("decode step at context %d on the device (its graph replayed 200 times back to "

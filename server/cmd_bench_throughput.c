@@ -163,12 +163,13 @@ static void throughput_report(const serve_options *so, const throughput_opts *o,
             o->num_prompts / el, (r->prompt_tokens + r->output_tokens) / el, r->output_tokens / el);
     fprintf(out, "Total num prompt tokens: %ld, total num output tokens: %ld, elapsed %.3f s\n",
             r->prompt_tokens, r->output_tokens, r->elapsed);
-    fprintf(out,
-            "Engine: %llu steps, mean %.3f ms per step (elapsed / steps), %llu tokens through the "
-            "model, %llu preemptions, %llu steps queued ahead (%llu with tokens read on the device)\n",
-            (unsigned long long)s->steps, s->steps ? 1e3 * r->elapsed / (double)s->steps : 0.0,
-            (unsigned long long)s->step_tokens, (unsigned long long)s->preemptions,
-            (unsigned long long)s->steps_ahead, (unsigned long long)s->steps_chained);
+    fprintf(
+        out,
+        "Engine: %llu steps, mean %.3f ms per step (elapsed / steps), %llu tokens through the "
+        "model, %llu preemptions, %llu steps queued ahead (%llu with tokens read on the device)\n",
+        (unsigned long long)s->steps, s->steps ? 1e3 * r->elapsed / (double)s->steps : 0.0,
+        (unsigned long long)s->step_tokens, (unsigned long long)s->preemptions,
+        (unsigned long long)s->steps_ahead, (unsigned long long)s->steps_chained);
 }
 
 static int throughput_json(const serve_options *so, const throughput_opts *o,

@@ -141,8 +141,10 @@ typedef struct engine_stats {
     uint64_t prefix_queries, prefix_hits; /* in tokens */
     uint64_t preemptions;
     uint64_t steps, step_tokens;
-    uint64_t steps_ahead;   /* --async-scheduling: steps queued while the one before was still running */
-    uint64_t steps_chained; /* of those, the ones whose tokens the device read from the step before */
+    uint64_t
+        steps_ahead; /* --async-scheduling: steps queued while the one before was still running */
+    uint64_t
+        steps_chained; /* of those, the ones whose tokens the device read from the step before */
     int free_blocks, total_blocks;
     bool has_connector;
     kv_connector_stats kv; /* KV transfer counters when has_connector */

@@ -228,9 +228,11 @@ static void run_graphs(rig *r) {
     CHECKF(opt_model_set_graphs(r->gpu.m, false, MAX_SEQS, &err) == 0, "%s", err.msg);
     CHECKF(opt_model_set_graphs(r->gpu.m, true, MAX_SEQS, &err) == 0, "%s", err.msg);
     int recorded = -1;
-    CHECKF(opt_model_record_graphs(r->gpu.m, r->gpu.kv, false, &recorded, &err) == 0, "%s", err.msg);
+    CHECKF(opt_model_record_graphs(r->gpu.m, r->gpu.kv, false, &recorded, &err) == 0, "%s",
+           err.msg);
     CHECKF(recorded == 6, "%s: %d graphs recorded ahead (6 expected)", r->variant, recorded);
-    CHECKF(opt_model_record_graphs(r->gpu.m, r->gpu.kv, false, &recorded, &err) == 0 && recorded == 0,
+    CHECKF(opt_model_record_graphs(r->gpu.m, r->gpu.kv, false, &recorded, &err) == 0 &&
+               recorded == 0,
            "%s: a second record_graphs recorded %d", r->variant, recorded);
     int before = 0;
     opt_model_graph_stats(r->gpu.m, &before, NULL);
@@ -266,8 +268,10 @@ static void run_queued(rig *r) {
      * start-up (three more of each size), so no queued step records one. */
     int recorded = -1, before = 0, after = 0;
     if (opt_model_graph_stats(r->gpu.m, NULL, NULL)) {
-        CHECKF(opt_model_record_graphs(r->gpu.m, r->gpu.kv, true, &recorded, &err) == 0, "%s", err.msg);
-        CHECKF(recorded == 18, "%s: %d queued variants recorded ahead (18 expected)", r->variant, recorded);
+        CHECKF(opt_model_record_graphs(r->gpu.m, r->gpu.kv, true, &recorded, &err) == 0, "%s",
+               err.msg);
+        CHECKF(recorded == 18, "%s: %d queued variants recorded ahead (18 expected)", r->variant,
+               recorded);
     }
     opt_model_graph_stats(r->gpu.m, &before, NULL);
     for (size_t bi = 0; bi < sizeof Bs / sizeof Bs[0]; bi++) {
@@ -301,8 +305,8 @@ static void run_queued(rig *r) {
                differ, D * B);
     }
     opt_model_graph_stats(r->gpu.m, &after, NULL);
-    CHECKF(recorded < 0 || after == before, "%s: queued steps recorded %d graphs after all", r->variant,
-           after - before);
+    CHECKF(recorded < 0 || after == before, "%s: queued steps recorded %d graphs after all",
+           r->variant, after - before);
 }
 
 static void run_model(const char *dir, const char *variant, double tol, int bs) {

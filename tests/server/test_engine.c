@@ -250,8 +250,9 @@ int main(void) {
     CHECKF(st.free_blocks == st.total_blocks, "async scheduling: blocks leaked: %d of %d free", st.free_blocks,
            st.total_blocks);
     /* The outputs above prove nothing unless steps really went ahead. */
-    CHECKF(st.steps_ahead > 0 && st.steps_ahead < st.steps, "async scheduling: %llu of %llu steps queued ahead",
-           (unsigned long long)st.steps_ahead, (unsigned long long)st.steps);
+    CHECKF(st.steps_ahead > 0 && st.steps_ahead < st.steps,
+           "async scheduling: %llu of %llu steps queued ahead", (unsigned long long)st.steps_ahead,
+           (unsigned long long)st.steps);
     engine_destroy(e);
     /* And with the tiny KV budget (preemption; blocks for the next step not
      * always free). */
