@@ -20,12 +20,109 @@
 #include "connector/p2p.h"
 #include "model/backend.h"
 
+/* Host buffers the tcp data plane sends from. Page-locked where the backend
+ * has such memory (up to pinned_limit bytes of it), so copy_d2h is one DMA,
+ * and reused, so a request's KV lands in pages that are already mapped
+ * rather than freshly faulted in. Sizes are rounded up to powers of two from
+ * 64 KiB so buffers of similar requests fit each other. The transfer engine
+ * gives a buffer back from its own threads once sent, hence the lock. */
+typedef struct kv_host_pool {
+    pthread_mutex_t mu;
+    pd_backend *be;
+    void **idle; /* buffers (header first) not in use */
+    int n_idle, cap_idle;
+    size_t idle_bytes, idle_limit; /* beyond idle_limit, returned buffers are freed */
+    size_t pinned_bytes, pinned_limit; /* page-locked capacity, idle or in use */
+} kv_host_pool;
+
+/* What precedes each payload; 64 bytes keep the payload 64-byte aligned. */
+typedef struct pool_header {
+    size_t cap;
+    bool pinned; /* from be->host_alloc, else malloc */
+    char pad[64 - sizeof(size_t) - sizeof(bool)];
+} pool_header;
+
+static void pool_raw_free(kv_host_pool *pl, pool_header *h) {
+    if (!h->pinned)
+        free(h);
+    else if (pl->be->host_free)
+        pl->be->host_free(pl->be, h);
+}
+
+static void *pool_get(void *ctx, size_t nbytes) {
+    kv_host_pool *pl = ctx;
+    size_t cap = (size_t)1 << 16;
+    while (cap < nbytes) cap <<= 1;
+    pthread_mutex_lock(&pl->mu);
+    for (int i = 0; i < pl->n_idle; i++) {
+        pool_header *h = pl->idle[i];
+        if (h->cap != cap) continue;
+        pl->idle[i] = pl->idle[--pl->n_idle];
+        pl->idle_bytes -= cap;
+        pthread_mutex_unlock(&pl->mu);
+        return h + 1;
+    }
+    const bool pin = pl->be->host_alloc && pl->pinned_bytes + cap <= pl->pinned_limit;
+    if (pin) pl->pinned_bytes += cap; /* claimed now, given back if the allocation fails */
+    pthread_mutex_unlock(&pl->mu);
+    pool_header *h = NULL;
+    if (pin) {
+        pd_err ignored;
+        h = pl->be->host_alloc(pl->be, sizeof *h + cap, &ignored);
+        if (!h) {
+            pthread_mutex_lock(&pl->mu);
+            pl->pinned_bytes -= cap;
+            pthread_mutex_unlock(&pl->mu);
+        }
+    }
+    if (h) {
+        h->pinned = true;
+    } else {
+        if (!(h = malloc(sizeof *h + cap))) return NULL;
+        h->pinned = false;
+    }
+    h->cap = cap;
+    return h + 1;
+}
+
+static void pool_put(void *ctx, void *payload) {
+    kv_host_pool *pl = ctx;
+    if (!payload) return;
+    pool_header *h = (pool_header *)payload - 1;
+    pthread_mutex_lock(&pl->mu);
+    if (pl->idle_bytes + h->cap <= pl->idle_limit) {
+        if (pl->n_idle == pl->cap_idle) {
+            int n = pl->cap_idle ? 2 * pl->cap_idle : 16;
+            void **grown = realloc(pl->idle, sizeof *grown * (size_t)n);
+            if (grown) pl->idle = grown, pl->cap_idle = n;
+        }
+        if (pl->n_idle < pl->cap_idle) {
+            pl->idle[pl->n_idle++] = h;
+            pl->idle_bytes += h->cap;
+            pthread_mutex_unlock(&pl->mu);
+            return;
+        }
+    }
+    if (h->pinned) pl->pinned_bytes -= h->cap;
+    pthread_mutex_unlock(&pl->mu);
+    pool_raw_free(pl, h);
+}
+
+/* Every buffer must be back (the transfer engine destroyed first). */
+static void pool_destroy(kv_host_pool *pl) {
+    for (int i = 0; i < pl->n_idle; i++)
+        pool_raw_free(pl, pl->idle[i]);
+    free(pl->idle);
+    pthread_mutex_destroy(&pl->mu);
+}
+
 struct kv_connector {
     kv_transfer_config cfg;
     opt_model *model;
     opt_kv_storage *kv;
     pd_backend *be;
     p2p_engine *p2p;
+    kv_host_pool pool; /* tcp send buffers (outlives p2p) */
     char fingerprint[256];
     char id_prefix[40]; /* random per process: transfer ids are unique per producer */
     uint64_t counter;   /* engine thread only */
@@ -71,6 +168,13 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
     c->kv = kv;
     c->be = be;
     pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->pool.mu, NULL);
+    c->pool.be = be;
+    /* Send buffers kept for reuse, and page-locked memory in all: a few long
+     * prompts' KV of a small model in flight, without pinning much of the
+     * host (what is over the limits is ordinary memory, freed once sent). */
+    c->pool.idle_limit = (size_t)1 << 30;
+    c->pool.pinned_limit = (size_t)2 << 30;
     const opt_config *mc = opt_model_config(model);
     c->layers = mc->num_hidden_layers;
     c->kv_dim = mc->hidden_size;
@@ -101,6 +205,9 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
         .nccl_device = be->device >= 0 ? be->device : 0, /* the GPU the KV cache lives on */
         .fingerprint = c->fingerprint,
         .backend = be,
+        .host_alloc = pool_get,
+        .host_free = pool_put,
+        .host_ctx = &c->pool,
     };
     if (p2p_create(&pc, &c->p2p, err) != 0) {
         pd_wrap(err, "kv connector");
@@ -116,7 +223,8 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
 
 void kv_connector_destroy(kv_connector *c) {
     if (!c) return;
-    p2p_destroy(c->p2p);
+    p2p_destroy(c->p2p); /* first: it gives back every send buffer */
+    pool_destroy(&c->pool);
     pthread_mutex_destroy(&c->mu);
     free(c);
 }
@@ -366,29 +474,36 @@ int kv_connector_load_apply(kv_connector *c, kv_load *l, const int32_t *block_ta
     memset(&meta, 0, sizeof meta);
     meta.n_tokens = n_tokens;
     meta.slot_mapping = slots;
-    size_t bytes = 0;
-    int rc = 0;
+    /* Host bytes (tcp) go through one backend buffer, reused layer by layer:
+     * copy_h2d waits for the stream, so the kv_write before it has read the
+     * buffer by then. Device bytes (nccl) are read where they arrived. */
+    size_t bytes = 0, stage_bytes = 0;
+    for (int i = 0; i < c->layers; i++)
+        if (!l->tensors[i]->on_device && l->tensors[i]->nbytes > stage_bytes) stage_bytes = l->tensors[i]->nbytes;
+    void *stage = stage_bytes ? c->be->alloc(c->be, stage_bytes, err) : NULL;
+    int rc = stage_bytes && !stage ? -1 : 0;
     for (int i = 0; i < c->layers && rc == 0; i++) {
         p2p_tensor *t = l->tensors[i];
         const size_t n_sent = (size_t)t->shape[1];
         void *src = t->data;
-        void *dev = NULL;
         if (!t->on_device) {
-            /* Host bytes (tcp): stage them into backend memory first. */
-            dev = c->be->alloc(c->be, t->nbytes ? t->nbytes : 1, err);
-            if (!dev || c->be->copy_h2d(c->be, dev, t->data, t->nbytes, err) != 0) {
+            if (c->be->copy_h2d(c->be, stage, t->data, t->nbytes, err) != 0) {
                 rc = -1;
                 break;
             }
-            src = dev;
+            src = stage;
         }
         void *k, *v;
         opt_kv_layer(c->kv, i, &k, &v);
         c->be->kv_write(c->be, k, v, src, (char *)src + n_sent * row, c->kv_dim, &meta, c->kv_dim);
-        if (c->be->sync(c->be, err) != 0) rc = -1;
         bytes += t->nbytes;
-        if (dev) c->be->free(c->be, dev);
     }
+    pd_err sync_err = {{0}};
+    if (c->be->sync(c->be, &sync_err) != 0 && rc == 0) { /* the first error is the one to report */
+        rc = -1;
+        if (err) *err = sync_err;
+    }
+    if (stage) c->be->free(c->be, stage);
     c->be->free(c->be, slots);
     if (rc != 0) return pd_wrap(err, "writing received KV into the cache");
     l->applied = true;

@@ -32,8 +32,22 @@ void p2p_buffer_release(bool on_device, void *p) {
 /* May run on a ZMQ I/O thread (zero-copy frames), hence the atomic count. */
 void p2p_blob_unref(p2p_blob *b) {
     if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
-    if (!b->borrowed) p2p_buffer_release(b->on_device, b->data);
+    if (b->borrowed)
+        ;
+    else if (b->release)
+        b->release(b->release_ctx, b->data);
+    else
+        p2p_buffer_release(b->on_device, b->data);
     free(b);
+}
+
+/* A buffer the caller handed over (p2p_put_async, p2p_offer) or got from
+ * p2p_buffer_alloc, back to where it came from. */
+static void owned_release(p2p_engine *e, void *p) {
+    if (e->cfg.transport != P2P_NCCL && e->cfg.host_free)
+        e->cfg.host_free(e->cfg.host_ctx, p);
+    else
+        p2p_buffer_release(e->cfg.transport == P2P_NCCL, p);
 }
 
 void p2p_engine_wake(p2p_engine *e) {
@@ -179,6 +193,8 @@ int p2p_create(const p2p_config *cfg, p2p_engine **out, pd_err *err) {
         return pd_fail(err, "model fingerprint is longer than %d bytes", P2P_FP_MAX - 1);
     if (cfg->kv_ip && strlen(cfg->kv_ip) >= P2P_ADDR_MAX - 8)
         return pd_fail(err, "kv_ip \"%s\" is too long", cfg->kv_ip);
+    if (!cfg->host_alloc != !cfg->host_free)
+        return pd_fail(err, "host_alloc and host_free come together (one of them is missing)");
     if (cfg->transport == P2P_NCCL && p2p_nccl_use_device(cfg->nccl_device, err) != 0) return -1;
 
     p2p_engine *e = calloc(1, sizeof *e);
@@ -340,16 +356,20 @@ static p2p_op *op_with_data(p2p_engine *e, op_kind kind, const char *peer, const
     if (check_tensor(id, dtype, ndim, shape, err) != 0 ||
         (nbytes > 0 && !data_owned &&
          pd_fail(err, "tensor %s: no data for %zu bytes", id, nbytes))) {
-        p2p_buffer_release(dev, data_owned);
+        owned_release(e, data_owned);
         return NULL;
     }
     p2p_blob *blob = p2p_blob_wrap(data_owned, nbytes, dev);
+    if (blob && !dev && e->cfg.host_free) {
+        blob->release = e->cfg.host_free;
+        blob->release_ctx = e->cfg.host_ctx;
+    }
     p2p_op *op = blob ? op_new(e, kind, peer, id, dtype, ndim, shape, nbytes, deadline) : NULL;
     if (!op) {
         if (blob)
             p2p_blob_unref(blob);
         else
-            p2p_buffer_release(dev, data_owned);
+            owned_release(e, data_owned);
         pd_fail(err, "out of memory for tensor %s", id);
         return NULL;
     }
@@ -361,7 +381,7 @@ int p2p_put_async(p2p_engine *e, const char *peer, const char *id, const char *d
                   const int64_t *shape, void *data_owned, size_t nbytes, double deadline,
                   pd_err *err) {
     if (check_id("peer address", peer, P2P_ADDR_MAX, err) != 0) {
-        p2p_buffer_release(e->cfg.transport == P2P_NCCL, data_owned);
+        owned_release(e, data_owned);
         return -1;
     }
     p2p_op *op =
@@ -575,13 +595,13 @@ void p2p_drop(p2p_engine *e, const char *peer, const char *id) {
 
 void *p2p_buffer_alloc(p2p_engine *e, size_t nbytes, pd_err *err) {
     if (e->cfg.transport == P2P_NCCL) return p2p_nccl_alloc(e->cfg.nccl_device, nbytes, err);
-    void *p = malloc(nbytes ? nbytes : 1);
+    void *p = e->cfg.host_alloc ? e->cfg.host_alloc(e->cfg.host_ctx, nbytes) : malloc(nbytes ? nbytes : 1);
     if (!p) pd_fail(err, "out of memory for %zu bytes", nbytes);
     return p;
 }
 
 void p2p_buffer_free(p2p_engine *e, void *p) {
-    p2p_buffer_release(e->cfg.transport == P2P_NCCL, p);
+    if (p) owned_release(e, p);
 }
 
 void p2p_stats_get(p2p_engine *e, p2p_stats *out) {

@@ -41,6 +41,13 @@ typedef struct p2p_config {
     struct pd_backend
         *backend;    /* for device buffers with NCCL (may be NULL for tcp); unused so far */
     int nccl_device; /* addition: CUDA device ordinal of the nccl transport (default 0) */
+    /* Addition: where tcp host buffers come from (p2p_buffer_alloc) and go
+     * back to (p2p_buffer_free, and the engine once it has sent a
+     * p2p_put_async / p2p_offer buffer, from any of its threads); NULL:
+     * malloc and free. host_free must take what host_alloc gave. */
+    void *(*host_alloc)(void *ctx, size_t nbytes);
+    void (*host_free)(void *ctx, void *p);
+    void *host_ctx;
 } p2p_config;
 
 typedef struct p2p_engine p2p_engine;
@@ -102,7 +109,7 @@ void p2p_tensor_free(p2p_engine *e, p2p_tensor *t);
 void p2p_drop(p2p_engine *e, const char *peer, const char *id);
 
 /* Addition: buffers for p2p_put_async / p2p_offer data_owned — host memory
- * for tcp, device memory for nccl. */
+ * for tcp (from p2p_config.host_alloc where set), device memory for nccl. */
 void *p2p_buffer_alloc(p2p_engine *e, size_t nbytes, pd_err *err);
 void p2p_buffer_free(p2p_engine *e, void *p);
 

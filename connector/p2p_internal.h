@@ -22,6 +22,10 @@ typedef struct p2p_blob {
     size_t nbytes;
     bool on_device;
     bool borrowed; /* the caller's memory (blocking PUT over nccl): never freed here */
+    /* Set for a caller's tcp buffer when p2p_config.host_free is: how it
+     * goes back (else p2p_buffer_release). */
+    void (*release)(void *ctx, void *p);
+    void *release_ctx;
     atomic_int refs;
 } p2p_blob;
 
