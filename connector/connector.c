@@ -24,14 +24,18 @@
  * has such memory (up to pinned_limit bytes of it), so copy_d2h is one DMA,
  * and reused, so a request's KV lands in pages that are already mapped
  * rather than freshly faulted in. Sizes are rounded up to powers of two from
- * 64 KiB so buffers of similar requests fit each other. The transfer engine
- * gives a buffer back from its own threads once sent, hence the lock. */
+ * 64 KiB so buffers of similar requests fit each other. Buffers are taken on
+ * the engine thread and given back by the transfer engine from its own
+ * threads once sent, hence the lock; a page-locked buffer is only ever
+ * freed at destroy (the backend's host_free may not run beside its other
+ * calls), which pinned_limit bounds. Ordinary ones beyond idle_limit are
+ * freed when given back. */
 typedef struct kv_host_pool {
     pthread_mutex_t mu;
     pd_backend *be;
-    void **idle; /* buffers (header first) not in use */
-    int n_idle, cap_idle;
-    size_t idle_bytes, idle_limit; /* beyond idle_limit, returned buffers are freed */
+    void **idle;                       /* buffers (header first) not in use */
+    int n_idle, n_total, cap_idle;     /* cap_idle >= n_total: a give-back never grows it */
+    size_t idle_bytes, idle_limit;     /* ordinary idle bytes, and their limit */
     size_t pinned_bytes, pinned_limit; /* page-locked capacity, idle or in use */
 } kv_host_pool;
 
@@ -52,34 +56,45 @@ static void pool_raw_free(kv_host_pool *pl, pool_header *h) {
 static void *pool_get(void *ctx, size_t nbytes) {
     kv_host_pool *pl = ctx;
     size_t cap = (size_t)1 << 16;
-    while (cap < nbytes) cap <<= 1;
+    while (cap < nbytes)
+        cap <<= 1;
     pthread_mutex_lock(&pl->mu);
     for (int i = 0; i < pl->n_idle; i++) {
         pool_header *h = pl->idle[i];
         if (h->cap != cap) continue;
         pl->idle[i] = pl->idle[--pl->n_idle];
-        pl->idle_bytes -= cap;
+        if (!h->pinned) pl->idle_bytes -= cap;
         pthread_mutex_unlock(&pl->mu);
         return h + 1;
     }
+    /* A new buffer: first make room for it in the idle list. */
+    if (pl->n_total == pl->cap_idle) {
+        int n = pl->cap_idle ? 2 * pl->cap_idle : 16;
+        void **grown = realloc(pl->idle, sizeof *grown * (size_t)n);
+        if (!grown) {
+            pthread_mutex_unlock(&pl->mu);
+            return NULL;
+        }
+        pl->idle = grown;
+        pl->cap_idle = n;
+    }
     const bool pin = pl->be->host_alloc && pl->pinned_bytes + cap <= pl->pinned_limit;
     if (pin) pl->pinned_bytes += cap; /* claimed now, given back if the allocation fails */
+    pl->n_total++;
     pthread_mutex_unlock(&pl->mu);
     pool_header *h = NULL;
     if (pin) {
         pd_err ignored;
         h = pl->be->host_alloc(pl->be, sizeof *h + cap, &ignored);
-        if (!h) {
-            pthread_mutex_lock(&pl->mu);
-            pl->pinned_bytes -= cap;
-            pthread_mutex_unlock(&pl->mu);
-        }
+        if (h) h->pinned = true;
     }
-    if (h) {
-        h->pinned = true;
-    } else {
-        if (!(h = malloc(sizeof *h + cap))) return NULL;
-        h->pinned = false;
+    if (!h && (h = malloc(sizeof *h + cap))) h->pinned = false;
+    if (!h || (pin && !h->pinned)) {
+        pthread_mutex_lock(&pl->mu);
+        if (pin) pl->pinned_bytes -= cap;
+        if (!h) pl->n_total--;
+        pthread_mutex_unlock(&pl->mu);
+        if (!h) return NULL;
     }
     h->cap = cap;
     return h + 1;
@@ -90,22 +105,15 @@ static void pool_put(void *ctx, void *payload) {
     if (!payload) return;
     pool_header *h = (pool_header *)payload - 1;
     pthread_mutex_lock(&pl->mu);
-    if (pl->idle_bytes + h->cap <= pl->idle_limit) {
-        if (pl->n_idle == pl->cap_idle) {
-            int n = pl->cap_idle ? 2 * pl->cap_idle : 16;
-            void **grown = realloc(pl->idle, sizeof *grown * (size_t)n);
-            if (grown) pl->idle = grown, pl->cap_idle = n;
-        }
-        if (pl->n_idle < pl->cap_idle) {
-            pl->idle[pl->n_idle++] = h;
-            pl->idle_bytes += h->cap;
-            pthread_mutex_unlock(&pl->mu);
-            return;
-        }
+    if (h->pinned || pl->idle_bytes + h->cap <= pl->idle_limit) {
+        pl->idle[pl->n_idle++] = h; /* room: cap_idle >= n_total */
+        if (!h->pinned) pl->idle_bytes += h->cap;
+        pthread_mutex_unlock(&pl->mu);
+        return;
     }
-    if (h->pinned) pl->pinned_bytes -= h->cap;
+    pl->n_total--;
     pthread_mutex_unlock(&pl->mu);
-    pool_raw_free(pl, h);
+    free(h); /* ordinary memory: any thread may */
 }
 
 /* Every buffer must be back (the transfer engine destroyed first). */
@@ -174,7 +182,7 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
      * prompts' KV of a small model in flight, without pinning much of the
      * host (what is over the limits is ordinary memory, freed once sent). */
     c->pool.idle_limit = (size_t)1 << 30;
-    c->pool.pinned_limit = (size_t)2 << 30;
+    c->pool.pinned_limit = (size_t)1 << 30;
     const opt_config *mc = opt_model_config(model);
     c->layers = mc->num_hidden_layers;
     c->kv_dim = mc->hidden_size;
