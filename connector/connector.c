@@ -82,21 +82,19 @@ static void *pool_get(void *ctx, size_t nbytes) {
     if (pin) pl->pinned_bytes += cap; /* claimed now, given back if the allocation fails */
     pl->n_total++;
     pthread_mutex_unlock(&pl->mu);
-    pool_header *h = NULL;
-    if (pin) {
-        pd_err ignored;
-        h = pl->be->host_alloc(pl->be, sizeof *h + cap, &ignored);
-        if (h) h->pinned = true;
-    }
-    if (!h && (h = malloc(sizeof *h + cap))) h->pinned = false;
-    if (!h || (pin && !h->pinned)) {
+    pd_err ignored;
+    pool_header *h = pin ? pl->be->host_alloc(pl->be, sizeof *h + cap, &ignored) : NULL;
+    const bool pinned = h != NULL;
+    if (!pinned) h = malloc(sizeof *h + cap);
+    if (pin != pinned || !h) { /* the claims above that did not come true */
         pthread_mutex_lock(&pl->mu);
-        if (pin) pl->pinned_bytes -= cap;
+        if (pin != pinned) pl->pinned_bytes -= cap;
         if (!h) pl->n_total--;
         pthread_mutex_unlock(&pl->mu);
         if (!h) return NULL;
     }
     h->cap = cap;
+    h->pinned = pinned;
     return h + 1;
 }
 
@@ -361,9 +359,9 @@ int kv_connector_save(kv_connector *c, const kv_request_params *params, const in
     /* tcp: one device scratch the layers are gathered into in turn, then
      * copied down; nccl: every layer gathered into its own send buffer. */
     void *dev = slots && !in_place ? c->be->alloc(c->be, nbytes ? nbytes : 1, err) : NULL;
-    void **staged = slots ? calloc((size_t)c->layers, sizeof *staged) : NULL;
-    int rc = slots && staged && (in_place || dev) ? 0 : -1;
-    if (slots && !staged) pd_fail(err, "out of memory");
+    void **staged = slots && in_place ? calloc((size_t)c->layers, sizeof *staged) : NULL;
+    int rc = slots && (in_place ? staged != NULL : dev != NULL) ? 0 : -1;
+    if (slots && in_place && !staged) pd_fail(err, "out of memory");
     if (in_place) {
         /* Queue every layer's gathers, then wait for them once: NCCL sends
          * from its own stream, which knows nothing of the backend's. */
@@ -487,7 +485,8 @@ int kv_connector_load_apply(kv_connector *c, kv_load *l, const int32_t *block_ta
      * buffer by then. Device bytes (nccl) are read where they arrived. */
     size_t bytes = 0, stage_bytes = 0;
     for (int i = 0; i < c->layers; i++)
-        if (!l->tensors[i]->on_device && l->tensors[i]->nbytes > stage_bytes) stage_bytes = l->tensors[i]->nbytes;
+        if (!l->tensors[i]->on_device && l->tensors[i]->nbytes > stage_bytes)
+            stage_bytes = l->tensors[i]->nbytes;
     void *stage = stage_bytes ? c->be->alloc(c->be, stage_bytes, err) : NULL;
     int rc = stage_bytes && !stage ? -1 : 0;
     for (int i = 0; i < c->layers && rc == 0; i++) {

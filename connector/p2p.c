@@ -32,12 +32,12 @@ void p2p_buffer_release(bool on_device, void *p) {
 /* May run on a ZMQ I/O thread (zero-copy frames), hence the atomic count. */
 void p2p_blob_unref(p2p_blob *b) {
     if (!b || atomic_fetch_sub(&b->refs, 1) != 1) return;
-    if (b->borrowed)
-        ;
-    else if (b->release)
-        b->release(b->release_ctx, b->data);
-    else
-        p2p_buffer_release(b->on_device, b->data);
+    if (!b->borrowed) {
+        if (b->release)
+            b->release(b->release_ctx, b->data);
+        else
+            p2p_buffer_release(b->on_device, b->data);
+    }
     free(b);
 }
 
@@ -595,7 +595,8 @@ void p2p_drop(p2p_engine *e, const char *peer, const char *id) {
 
 void *p2p_buffer_alloc(p2p_engine *e, size_t nbytes, pd_err *err) {
     if (e->cfg.transport == P2P_NCCL) return p2p_nccl_alloc(e->cfg.nccl_device, nbytes, err);
-    void *p = e->cfg.host_alloc ? e->cfg.host_alloc(e->cfg.host_ctx, nbytes) : malloc(nbytes ? nbytes : 1);
+    void *p = e->cfg.host_alloc ? e->cfg.host_alloc(e->cfg.host_ctx, nbytes)
+                                : malloc(nbytes ? nbytes : 1);
     if (!p) pd_fail(err, "out of memory for %zu bytes", nbytes);
     return p;
 }

@@ -1046,18 +1046,24 @@ static int graph_record(opt_model *m, opt_kv_storage *kv, int idx, int v, const 
     return 0;
 }
 
+/* Whether this backend can have a step queued behind another: events to
+ * wait for one of them, and picks made on the device into host memory the
+ * host reads in place. */
+static bool can_queue_steps(const opt_model *m) {
+    const pd_backend *be = m->be;
+    return be->event_create && be->event_record && be->event_wait && be->argmax && m->s.ids_mapped;
+}
+
 int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, bool queued_variants, int *recorded,
                             pd_err *err) {
     opt_graphs *g = &m->g;
-    const pd_backend *be = m->be;
     if (recorded) *recorded = 0;
     if (!g->enabled) return 0;
     const int last = graph_index_for(g->max_batch), B_max = graph_size_at(last);
     if (scratch_reserve(m, B_max, B_max, 1, err) != 0 || graphs_attach(m, kv, err) != 0) return -1;
     /* The variants opt_forward_queue replays (second picks buffer, tokens
      * from the other buffer's picks) exist only where steps can be queued. */
-    const bool can_queue = queued_variants && be->event_create && be->event_record &&
-                           be->event_wait && be->argmax && m->s.ids_mapped;
+    const bool can_queue = queued_variants && can_queue_steps(m);
     for (int idx = 0; idx <= last; idx++) {
         for (int v = 0; v < (can_queue ? 4 : 1); v++) {
             if (g->exec[idx][v]) continue;
@@ -1191,10 +1197,7 @@ static int ahead_reserve(opt_model *m, int rows, pd_err *err) {
  * host can read in place once the step's event says so. */
 static bool ahead_async(const opt_model *m, const opt_kv_storage *kv, const opt_seq_step *seqs,
                         int n_seqs) {
-    const pd_backend *be = m->be;
-    if (!(be->event_create && be->event_record && be->event_wait && be->argmax && m->s.ids_mapped))
-        return false;
-    if (!graph_step_fits(m, seqs, n_seqs)) return false;
+    if (!can_queue_steps(m) || !graph_step_fits(m, seqs, n_seqs)) return false;
     /* Nothing may move under a step in flight: the recording's buffers are
      * in place already (opt_model_set_graphs reserved them). */
     const int B = graph_size_at(graph_index_for(n_seqs));
