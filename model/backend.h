@@ -73,6 +73,10 @@ typedef struct pd_linear_fuse {
      * index of the largest value, NaN never picked, 0 for a row of NaN).
      * Only for a backend with linear_argmax set; NULL: none. */
     int32_t *argmax;
+    /* [T] device memory: the same ids written here as well (NULL: nowhere
+     * else), for an argmax buffer the device reads slowly (mapped host
+     * memory) whose ids the next queued step reads on the device. */
+    int32_t *argmax_copy;
     const void *emb_a, *emb_b; /* step 0: the token and position tables, or NULL */
     const int32_t *emb_ia, *emb_ib;
     int emb_b_offset;

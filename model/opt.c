@@ -36,11 +36,13 @@ typedef struct opt_scratch {
                          * so that a queued step (opt_forward_queue) writes
                          * one while the host reads the other */
     bool ids_mapped;    /* ids is host_alloc memory (pd_backend.host_mapped) */
-    int32_t *chain_ids; /* [cap_logits] device: where ids_mapped, a chained
-                         * decode graph first copies the other buffer's picks
-                         * here, so its embedding reads device memory (a
-                         * read of mapped memory crosses PCIe, from every
-                         * block of the fused layer-0 qkv kernel) */
+    int32_t *ids_dev[2]; /* [cap_logits] device: where ids_mapped, the same
+                          * picks again, written by the op that makes them
+                          * (pd_linear_fuse.argmax_copy; a copy after the
+                          * sample op), so that a chained decode step's
+                          * embedding reads them from device memory: a read
+                          * of mapped memory crosses PCIe, and a copy node
+                          * at the start of the step costs its edge */
     float *sample_dev;  /* [n_logits, 5] sampling parameters (device) */
     void *meta_dev;     /* int32 [cap_meta] */
     int32_t *meta_host; /* host staging for the same (host_alloc) */
@@ -65,10 +67,6 @@ typedef struct opt_graphs {
     void *exec[OPT_GRAPH_SIZES][4];
     int last_variant[OPT_GRAPH_SIZES]; /* the variant replayed last (opt_model_time_graph) */
     int replays, captures;            /* for logs and tests */
-    /* PDSERVE_CHAIN_IDS=mapped: a chained recording reads its tokens in
-     * place from the mapped picks buffer, not through chain_ids (an A/B of
-     * the copy node; read when graphs are turned on). */
-    bool chain_in_place;
 } opt_graphs;
 
 /* Steps queued by opt_forward_queue and not yet handed out by
@@ -352,8 +350,10 @@ static void ids_free(pd_backend *be, opt_scratch *s) {
     }
     host_free(be, s->ids_host);
     s->ids_host = NULL;
-    be->free(be, s->chain_ids);
-    s->chain_ids = NULL;
+    for (int b = 0; b < 2; b++) {
+        be->free(be, s->ids_dev[b]);
+        s->ids_dev[b] = NULL;
+    }
     s->ids_mapped = false;
 }
 /* Both buffers start as valid ids (zeros): a chained step's embedding may
@@ -367,7 +367,8 @@ static int ids_alloc(pd_backend *be, opt_scratch *s, int cap, pd_err *err) {
             if (!s->ids[b]) return pd_fail(err, "opt forward: out of host memory for %d ids", cap);
             memset(s->ids[b], 0, bytes);
         }
-        if (!(s->chain_ids = be->alloc(be, bytes, err))) return -1;
+        for (int b = 0; b < 2; b++)
+            if (!(s->ids_dev[b] = be->alloc(be, bytes, err))) return -1;
         return 0;
     }
     for (int b = 0; b < 2; b++)
@@ -751,13 +752,15 @@ static void ffn_block(opt_model *m, const opt_layer_dev *L, int T, bool pre_ln, 
 /* Queue the whole step on the backend (no copies, no syncs: this same code
  * is what a graph capture records): embeddings, every layer, and for the
  * rows that want logits the final LN, project_out, lm_head and, where the
- * backend can, the greedy pick into picks (one of s->ids). */
+ * backend can, the greedy pick into picks buffer buf (s->ids[buf], and
+ * s->ids_dev[buf] where there is one). */
 static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *meta, int n_logits,
-                        const int32_t *logit_rows, int32_t *picks) {
+                        const int32_t *logit_rows, int buf) {
     pd_backend *be = m->be;
     const opt_config *c = &m->cfg;
     const int h = c->hidden_size, wd = c->word_embed_proj_dim, T = meta->n_tokens;
     opt_scratch *s = &m->s;
+    int32_t *picks = s->ids[buf];
 
     /* Embeddings: project_in applies to the token embedding only, before the
      * learned positions (whose table is offset by 2 rows) are added. */
@@ -822,8 +825,22 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
         head_in = last_in;
     }
     head.argmax = pick_in_head ? picks : NULL;
+    head.argmax_copy = pick_in_head ? s->ids_dev[buf] : NULL;
     linear(be, s->logits, head_in, wd, m->lm_head, NULL, n_logits, wd, c->vocab_size, &head);
     if (be->argmax && !pick_in_head) be->argmax(be, picks, s->logits, n_logits, c->vocab_size);
+}
+
+/* The sample op's draws from the logits into picks buffer buf, and where
+ * the picks are mapped host memory their device copy (s.ids_dev, which a
+ * chained step after this one reads). */
+static int sample_picks(opt_model *m, int buf, int rows, pd_err *err) {
+    pd_backend *be = m->be;
+    be->sample(be, m->s.ids[buf], m->s.logits, rows, m->cfg.vocab_size, m->s.sample_dev);
+    if (!m->s.ids_mapped) return 0;
+    if (be->copy_h2d_async(be, m->s.ids_dev[buf], m->s.ids[buf], sizeof(int32_t) * (size_t)rows,
+                           err) != 0)
+        return pd_wrap(err, "opt forward: the draws' device copy");
+    return 0;
 }
 
 /* Copy the step's results out: logits rows and/or picks (greedy, or drawn
@@ -838,7 +855,7 @@ static int read_outputs(opt_model *m, int n_logits, float *logits, int32_t *ids,
         if (copy_meta(be, m->s.sample_dev, sample_params, sizeof(float) * 5 * (size_t)n_logits,
                       err) != 0)
             return pd_wrap(err, "opt forward: sampling parameters");
-        be->sample(be, m->s.ids[buf], m->s.logits, n_logits, V, m->s.sample_dev);
+        if (sample_picks(m, buf, n_logits, err) != 0) return -1;
     }
     if (logits &&
         be->download_f32(be, logits, m->s.logits, (size_t)n_logits * V, err) != 0)
@@ -936,8 +953,6 @@ int opt_model_set_graphs(opt_model *m, bool enable, int max_batch, pd_err *err) 
         return pd_fail(err, "opt graphs: max batch %d not in [1, 512]", max_batch);
     m->g.enabled = true;
     m->g.max_batch = max_batch;
-    const char *chain = getenv("PDSERVE_CHAIN_IDS");
-    m->g.chain_in_place = chain && !strcmp(chain, "mapped");
     /* Scratch for the largest recording now, so a small first step does not
      * record pointers that a larger one will move. */
     return scratch_reserve(m, graph_size_at(graph_index_for(max_batch)),
@@ -1020,26 +1035,23 @@ static int graphs_attach(opt_model *m, opt_kv_storage *kv, pd_err *err) {
  * is meta, n_meta entries. The recording starts with the metadata's copy
  * from meta_host[buf], so a replay is the host's one call: the step's
  * metadata written there, then the launch. A chained variant's embedding
- * reads its tokens from the other buffer's picks, row for row. */
+ * reads its tokens from the other buffer's picks, row for row, in device
+ * memory (s.ids_dev where the picks are mapped host memory). */
 static int graph_record(opt_model *m, opt_kv_storage *kv, int idx, int v, const pd_step_meta *meta,
                         size_t n_meta, const int32_t *logit_rows, pd_err *err) {
     pd_backend *be = m->be;
     opt_graphs *g = &m->g;
     const int B = graph_size_at(idx), buf = v >> 1;
     pd_step_meta rec = *meta;
-    /* Picks in mapped host memory come down in one copy node of B ids. */
-    const bool copy_ids = (v & 1) && m->s.ids_mapped && !g->chain_in_place;
-    if (v & 1) rec.token_ids = copy_ids ? m->s.chain_ids : m->s.ids[buf ^ 1];
+    if (v & 1) rec.token_ids = m->s.ids_mapped ? m->s.ids_dev[buf ^ 1] : m->s.ids[buf ^ 1];
     if (be->graph_begin(be, err) != 0) return -1;
-    if (copy_meta(be, g->meta_dev, g->meta_host[buf], n_meta * sizeof(int32_t), err) != 0 ||
-        (copy_ids && be->copy_h2d_async(be, m->s.chain_ids, m->s.ids[buf ^ 1],
-                                        (size_t)B * sizeof(int32_t), err) != 0)) {
+    if (copy_meta(be, g->meta_dev, g->meta_host[buf], n_meta * sizeof(int32_t), err) != 0) {
         void *dropped = NULL;
         pd_err ignored;
         if (be->graph_end(be, &dropped, &ignored) == 0) be->graph_free(be, dropped);
         return pd_wrap(err, "opt graphs: recording the metadata copy");
     }
-    forward_ops(m, kv, &rec, B, logit_rows, m->s.ids[buf]);
+    forward_ops(m, kv, &rec, B, logit_rows, buf);
     if (be->graph_end(be, &g->exec[idx][v], err) != 0) return pd_wrap(err, "opt graphs: batch %d", B);
     g->captures++;
     pd_log(PD_LOG_DEBUG, "opt: recorded the decode step of batch %d as a graph", B);
@@ -1048,10 +1060,12 @@ static int graph_record(opt_model *m, opt_kv_storage *kv, int idx, int v, const 
 
 /* Whether this backend can have a step queued behind another: events to
  * wait for one of them, and picks made on the device into host memory the
- * host reads in place. */
+ * host reads in place, by the LM head's kernel, which also leaves them in
+ * device memory for a chained step (pd_linear_fuse.argmax_copy). */
 static bool can_queue_steps(const opt_model *m) {
     const pd_backend *be = m->be;
-    return be->event_create && be->event_record && be->event_wait && be->argmax && m->s.ids_mapped;
+    return be->event_create && be->event_record && be->event_wait && be->argmax && be->linear &&
+           be->linear_argmax && m->s.ids_mapped;
 }
 
 int opt_model_record_graphs(opt_model *m, opt_kv_storage *kv, bool queued_variants, int *recorded,
@@ -1128,7 +1142,7 @@ static int forward_sync(opt_model *m, opt_kv_storage *kv, const opt_seq_step *se
                                &logit_rows);
     if (copy_meta(m->be, m->s.meta_dev, m->s.meta_host, n * sizeof(int32_t), err) != 0)
         return pd_wrap(err, "opt forward: step metadata");
-    forward_ops(m, kv, &meta, n_logits, logit_rows, m->s.ids[buf]);
+    forward_ops(m, kv, &meta, n_logits, logit_rows, buf);
     return read_outputs(m, n_logits, logits, ids, sample_params, buf, err);
 }
 
@@ -1268,7 +1282,7 @@ int opt_forward_queue(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs
             if (copy_meta(be, m->s.sample_dev, a->params_host[buf], sizeof(float) * 5 * (size_t)n_seqs,
                           err) != 0)
                 return pd_wrap(err, "opt forward: sampling parameters");
-            be->sample(be, m->s.ids[buf], m->s.logits, n_seqs, m->cfg.vocab_size, m->s.sample_dev);
+            if (sample_picks(m, buf, n_seqs, err) != 0) return -1;
         }
         if (be->event_record(be, a->event[buf], err) != 0) return -1;
         p->done = false;

@@ -530,7 +530,7 @@ static void cu_argmax(pd_backend *be, int32_t *ids, const void *x, int rows, int
     cu_enter(c);
     prof_start(c);
     const cuda_argmax_scratch scr = cuda_linear_argmax_scratch(&c->lin);
-    cuda_argmax(c->stream, be->dtype, ids, x, rows, n, &scr, c->lin.pdl);
+    cuda_argmax(c->stream, be->dtype, ids, NULL, x, rows, n, &scr, c->lin.pdl);
     cu_check_launch(c, "argmax");
 }
 

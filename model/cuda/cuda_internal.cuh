@@ -262,12 +262,13 @@ typedef struct cuda_argmax_scratch {
     int *counter; /* one */
 } cuda_argmax_scratch;
 
-/* ids[r] = index of the largest of row r of x [rows, n] (lowest on ties).
- * A few long rows (the LM head of a decode step) are split over
- * CUDA_ARGMAX_PARTS blocks each when scratch is given (else NULL), the last
- * block merging; pdl: a programmatic dependent launch. */
-void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n,
-                 const cuda_argmax_scratch *scratch, int pdl);
+/* ids[r] = index of the largest of row r of x [rows, n] (lowest on ties),
+ * and ids_copy[r] too unless it is NULL. A few long rows (the LM head of a
+ * decode step) are split over CUDA_ARGMAX_PARTS blocks each when scratch is
+ * given (else NULL), the last block merging; pdl: a programmatic dependent
+ * launch. */
+void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, int32_t *ids_copy, const void *x,
+                 int rows, int n, const cuda_argmax_scratch *scratch, int pdl);
 /* ids[r] = a token drawn from row r of x with params[5 r ..]: temperature,
  * top_p, min_p, top_k, u (see cuda_sample.cu; backend.h's sample op). */
 void cuda_sample(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n,
@@ -305,11 +306,13 @@ typedef struct cuda_linear_env {
     int *am_i, *am_counter;
     int am_blocks;
     /* How the LM head (a small-T call with very many outputs) runs
-     * (PDSERVE_CUDA_HEAD, for A/B timing): "fused" the MMA kernel with the
-     * argmax fused, "split" the MMA kernel then the argmax op, "blas" (the
-     * default) layer norm + cuBLASLt + the argmax op. On an H200 the last
-     * is ~11 us a decode step faster at opt-125m (docs/benchmarks.md). */
-    enum { CUDA_HEAD_FUSED, CUDA_HEAD_SPLIT, CUDA_HEAD_BLAS } head_route;
+     * (PDSERVE_CUDA_HEAD, for A/B timing): "gemv" (the default) one token's
+     * head as a streaming GEMV with the layer norm and the argmax inside
+     * (linear_head_kernel), more tokens as "blas"; "fused" the MMA kernel
+     * with the argmax fused, "split" the MMA kernel then the argmax op,
+     * "blas" layer norm + cuBLASLt + the argmax op (docs/benchmarks.md
+     * has the timings). */
+    enum { CUDA_HEAD_FUSED, CUDA_HEAD_SPLIT, CUDA_HEAD_BLAS, CUDA_HEAD_GEMV } head_route;
     /* Tiles a block of the MMA kernel takes at T = 1 (PDSERVE_CUDA_T1_NTILE:
      * 1, the default, 2 or 4; for A/B timing). Fewer, fatter blocks for qkv
      * and fc1 may let the next linear's blocks become resident sooner; not

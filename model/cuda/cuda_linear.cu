@@ -69,6 +69,7 @@ struct lin_params {
     int vec_ln;       /* ln_w, ln_b may be read in 16-byte pieces */
     int n_vblocks;    /* tile blocks (NTILE tiles of 8 rows each) covering out */
     int32_t *argmax;  /* [T] each row's argmax too (MMA kernel only), or NULL */
+    int32_t *argmax_copy; /* [T] the same ids again (device memory), or NULL */
     /* The embedding in front (pd_linear_fuse.emb_a): x's rows are made from
      * the tables, and block 0 writes them to x_out (== x). */
     const void *emb_a, *emb_b;
@@ -439,7 +440,9 @@ __device__ void lin_am_finish(const lin_params &p, float best_v, int best_i) {
         cuda_argmax_take(v, idx, __ldcg(&p.am_v[b * LIN_MAX_T + t]),
                          __ldcg(&p.am_i[b * LIN_MAX_T + t]), p.out);
     cuda_argmax_warp(v, idx, p.out);
-    if (lane == 0) p.argmax[t] = idx < p.out ? idx : 0;
+    if (lane != 0) return;
+    p.argmax[t] = idx < p.out ? idx : 0;
+    if (p.argmax_copy) p.argmax_copy[t] = idx < p.out ? idx : 0;
 }
 
 /* ---- fp16 / bf16: tensor-core MMA ---- */
@@ -638,6 +641,127 @@ __global__ void __launch_bounds__(LIN_THREADS) linear_simt_kernel(lin_params p) 
 
 /* ---- host side ---- */
 
+/* ---- the LM head of one token (batch-1 decode): a streaming GEMV ----
+ * 768 -> 50,272 is 73.6 MiB of weights for 2 KiB of input: the tile
+ * kernels above spend their time on shared-memory traffic and
+ * per-tile-block barriers there, and layer norm + cuBLASLt + the argmax
+ * op is three launches. Here each warp owns whole rows of W: lane l reads
+ * the 16-byte pieces l, l + 32, .. of a row (HEAD_CPL of them), so a
+ * warp's loads of one row are 512 contiguous bytes, and it keeps
+ * HEAD_ROWS rows in flight; the next group's loads are issued before this
+ * group's sums are reduced. Each block normalises x once into shared
+ * memory (lin_stage_ln_row, the small-T kernels' own layer norm), each
+ * warp keeps its best (value, row) by the argmax rule, and the last block
+ * to finish merges the blocks' bests (lin_am_finish). Products are fp32
+ * FMAs in a fixed order (per lane over its pieces, then a butterfly), the
+ * sum rounded to the storage type before the argmax sees it, as the
+ * argmax op reading y would. */
+/* Blocks an SM holds (the launch bounds): 2 leave the rows in flight and
+ * the widened pieces their registers without spilling. */
+#define HEAD_BLOCKS_PER_SM 2
+template <int CPL> struct head_shape {
+    /* ~12 pieces (48 registers) in flight a lane, at least one row */
+    static constexpr int ROWS = CPL >= 12 ? 1 : 12 / CPL;
+};
+
+template <typename E, int CPL>
+__global__ void __launch_bounds__(LIN_THREADS, HEAD_BLOCKS_PER_SM) linear_head_kernel(lin_params p) {
+    constexpr int R = head_shape<CPL>::ROWS, V = 8;
+    extern __shared__ uint4 lin_dyn[];
+    __shared__ float warp_v[LIN_WARPS];
+    __shared__ int warp_i[LIN_WARPS];
+    E *xs = (E *)lin_dyn;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int groups = (p.out + R - 1) / R, stride = (int)gridDim.x * LIN_WARPS;
+    const E *w = (const E *)p.w;
+    uint4 wv[R][CPL];
+    auto load = [&](int grp, int r0, int r1) {
+#pragma unroll
+        for (int r = r0; r < r1; r++) {
+            const int row = grp * R + r;
+            const E *wr = w + (size_t)(row < p.out ? row : 0) * p.in + lane * V;
+#pragma unroll
+            for (int c = 0; c < CPL; c++)
+                wv[r][c] = row < p.out ? __ldg((const uint4 *)(wr + c * 32 * V))
+                                       : make_uint4(0, 0, 0, 0);
+        }
+    };
+    int grp = (int)blockIdx.x * LIN_WARPS + warp;
+    pdl_trigger();
+    /* Only a group's first row before the wait: all of them would be ~19
+     * MiB read while the last layer's fc2, still running, reads its own. */
+    if (grp < groups) load(grp, 0, 1);
+    const lin_pre pre = lin_prefetch<E, 1>(p);
+    pdl_wait();
+    if (grp < groups) load(grp, 1, R);
+    if (p.layer_norm) {
+        lin_stage_ln_row<E>(p, xs, pre);
+    } else {
+        for (int i = threadIdx.x; i < p.in / V; i += blockDim.x)
+            *(uint4 *)(xs + i * V) = __ldg((const uint4 *)((const E *)p.x + i * V));
+        __syncthreads();
+    }
+    float best_v = -INFINITY;
+    int best_i = p.out;
+    for (; grp < groups; grp += stride) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            acc[r] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < CPL; c++) {
+            float xf[V];
+            lin_widen(*(const uint4 *)(xs + (c * 32 + lane) * V), xf, E());
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                float wf[V];
+                lin_widen(wv[r][c], wf, E());
+#pragma unroll
+                for (int j = 0; j < V; j++)
+                    acc[r] = fmaf(wf[j], xf[j], acc[r]);
+            }
+        }
+        if (grp + stride < groups) load(grp + stride, 0, R);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int row = grp * R + r;
+            if (row >= p.out) break;
+            float v = lin_warp_sum(acc[r]);
+            if (p.bias) v += to_f32(__ldg((const E *)p.bias + row));
+            const E stored = from_f32<E>(v);
+            if (lane == r % 32) ((E *)p.y)[row] = stored;
+            const float f = to_f32(stored);
+            if (!isnan(f)) cuda_argmax_take(best_v, best_i, f, row, p.out);
+        }
+    }
+    if (!p.argmax) return;
+    if (lane == 0) warp_v[warp] = best_v, warp_i[warp] = best_i;
+    __syncthreads();
+    if (warp == 0) {
+        float v = lane < LIN_WARPS ? warp_v[lane] : -INFINITY;
+        int idx = lane < LIN_WARPS ? warp_i[lane] : p.out;
+        cuda_argmax_warp(v, idx, p.out);
+        best_v = v, best_i = idx;
+    }
+    lin_am_finish(p, best_v, best_i);
+}
+
+/* The instance for CPL pieces a lane (in = CPL * 256 16-bit elements). */
+template <typename E> static void *lin_head_kernel_for(int cpl) {
+    switch (cpl) {
+    case 1: return (void *)linear_head_kernel<E, 1>;
+    case 2: return (void *)linear_head_kernel<E, 2>;
+    case 3: return (void *)linear_head_kernel<E, 3>;
+    case 4: return (void *)linear_head_kernel<E, 4>;
+    case 5: return (void *)linear_head_kernel<E, 5>;
+    case 6: return (void *)linear_head_kernel<E, 6>;
+    case 7: return (void *)linear_head_kernel<E, 7>;
+    case 8: return (void *)linear_head_kernel<E, 8>;
+    }
+    return NULL;
+}
+#define LIN_HEAD_MAX_CPL 8
+
 template <typename E, int NTILE> static void *lin_kernel(bool mma, bool long_rows) {
     if constexpr (sizeof(E) == 2)
         if (mma)
@@ -669,7 +793,8 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
     const char *head = getenv("PDSERVE_CUDA_HEAD");
     env->head_route = head && !strcmp(head, "fused")   ? cuda_linear_env::CUDA_HEAD_FUSED
                       : head && !strcmp(head, "split") ? cuda_linear_env::CUDA_HEAD_SPLIT
-                                                       : cuda_linear_env::CUDA_HEAD_BLAS;
+                      : head && !strcmp(head, "blas")  ? cuda_linear_env::CUDA_HEAD_BLAS
+                                                       : cuda_linear_env::CUDA_HEAD_GEMV;
     const char *t1 = getenv("PDSERVE_CUDA_T1_NTILE");
     env->t1_ntile = t1 && (!strcmp(t1, "2") || !strcmp(t1, "4")) ? atoi(t1) : 1;
     const char *small = getenv("PDSERVE_CUDA_SMALL");
@@ -698,6 +823,11 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
                     if (e == cudaSuccess) e = cuda_set_carveout(k);
                     if (e != cudaSuccess) return e;
                 }
+    for (int cpl = 1; cpl <= LIN_HEAD_MAX_CPL; cpl++) {
+        e = cuda_set_carveout(lin_head_kernel_for<__half>(cpl));
+        if (e == cudaSuccess) e = cuda_set_carveout(lin_head_kernel_for<__nv_bfloat16>(cpl));
+        if (e != cudaSuccess) return e;
+    }
     return cudaSuccess;
 }
 
@@ -720,7 +850,10 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     lin_params p = base;
     if (p.T > LIN_MAX_T || env->small_off) return false;
     const bool lm_head = p.out >= LIN_HEAD_OUT;
-    if (lm_head && env->head_route == cuda_linear_env::CUDA_HEAD_BLAS) return false;
+    /* the GEMV route's calls other than lin_head's take cuBLASLt too */
+    if (lm_head && (env->head_route == cuda_linear_env::CUDA_HEAD_BLAS ||
+                    env->head_route == cuda_linear_env::CUDA_HEAD_GEMV))
+        return false;
     const size_t es = pd_dtype_size(dt);
     const bool w_vec = lin_aligned16(p.w) && (p.in * es) % 16 == 0;
     const bool mma = dt != PD_F32 && env->mma_ok && w_vec;
@@ -756,11 +889,11 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     const unsigned blocks = (unsigned)(p.n_vblocks < resident ? p.n_vblocks : resident);
     /* The argmax rides in the MMA kernel; the FMA kernel's rows get the
      * argmax op after it. */
-    int32_t *argmax_after = NULL;
+    int32_t *argmax_after = NULL, *argmax_copy_after = NULL;
     if (p.argmax && (!mma || (int)blocks > env->am_blocks ||
                      (lm_head && env->head_route == cuda_linear_env::CUDA_HEAD_SPLIT))) {
-        argmax_after = p.argmax;
-        p.argmax = NULL;
+        argmax_after = p.argmax, argmax_copy_after = p.argmax_copy;
+        p.argmax = NULL, p.argmax_copy = NULL;
     }
     p.am_v = env->am_v, p.am_i = env->am_i, p.am_counter = env->am_counter;
     void *k = lin_kernel_for(dt, mma, ntile, long_rows);
@@ -771,8 +904,42 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
     cudaLaunchKernelExC(&cfg, k, args); /* errors: cudaGetLastError */
     if (argmax_after) {
         const cuda_argmax_scratch scr = cuda_linear_argmax_scratch(env);
-        cuda_argmax(env->stream, dt, argmax_after, p.y, p.T, p.out, &scr, env->pdl);
+        cuda_argmax(env->stream, dt, argmax_after, argmax_copy_after, p.y, p.T, p.out, &scr,
+                    env->pdl);
     }
+    return true;
+}
+
+/* The LM head of one token, 16-bit (linear_head_kernel); false when the
+ * call is not one it takes (then lin_small or cuBLASLt does). */
+static bool lin_head(cuda_linear_env *env, pd_dtype dt, const lin_params &base) {
+    lin_params p = base;
+    if (env->head_route != cuda_linear_env::CUDA_HEAD_GEMV || env->small_off || p.T != 1 ||
+        p.out < LIN_HEAD_OUT || dt == PD_F32 || p.activate || p.accumulate || p.emb_a)
+        return false;
+    const int cpl = p.in / 256; /* 16-byte pieces of a row a lane reads */
+    if (p.in % 256 || cpl > LIN_HEAD_MAX_CPL || !lin_aligned16(p.w) || !lin_aligned16(p.x) ||
+        (p.bias && !lin_aligned16(p.bias)))
+        return false;
+    p.in_pad = lin_in_pad(p.in);
+    p.vec_x = p.vec_w = 1;
+    if (p.layer_norm) { /* lin_stage_ln_row: one 16-byte piece of the row a thread */
+        p.vec_ln = p.ln_w && p.ln_b && lin_aligned16(p.ln_w) && lin_aligned16(p.ln_b);
+        if (!p.vec_ln || p.in > 8 * LIN_THREADS) return false;
+    }
+    const int rows = cpl >= 12 ? 1 : 12 / cpl; /* head_shape<cpl>::ROWS */
+    const int groups = (p.out + rows - 1) / rows;
+    int blocks = (groups + LIN_WARPS - 1) / LIN_WARPS;
+    if (blocks > HEAD_BLOCKS_PER_SM * env->sm_count) blocks = HEAD_BLOCKS_PER_SM * env->sm_count;
+    if (blocks > env->am_blocks) blocks = env->am_blocks; /* lin_am_finish's scratch */
+    p.am_v = env->am_v, p.am_i = env->am_i, p.am_counter = env->am_counter;
+    void *k = dt == PD_F16 ? lin_head_kernel_for<__half>(cpl)
+                           : lin_head_kernel_for<__nv_bfloat16>(cpl);
+    void *args[] = {&p};
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = cuda_launch_cfg(dim3(blocks), dim3(LIN_THREADS),
+                                                   (size_t)p.in_pad * 2, env->stream, env->pdl, &attr);
+    cudaLaunchKernelExC(&cfg, k, args); /* errors: cudaGetLastError */
     return true;
 }
 
@@ -896,11 +1063,11 @@ int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x
     p.x_stride = x_stride, p.T = T, p.in = in, p.out = out;
     p.layer_norm = f->layer_norm, p.ln_w = f->ln_w, p.ln_b = f->ln_b, p.ln_eps = f->ln_eps;
     p.activate = f->activate, p.act = f->act, p.accumulate = f->accumulate;
-    p.argmax = f->argmax;
+    p.argmax = f->argmax, p.argmax_copy = f->argmax_copy;
     p.emb_a = f->emb_a, p.emb_b = f->emb_b, p.emb_ia = f->emb_ia, p.emb_ib = f->emb_ib;
     p.emb_b_offset = f->emb_b_offset;
     p.x_out = const_cast<void *>(x); /* written only with emb_a (backend.h) */
-    if (lin_small(env, dt, p)) return 0;
+    if (lin_head(env, dt, p) || lin_small(env, dt, p)) return 0;
 
     if (f->emb_a) /* the embedding op first, into x */
         cuda_embedding_sum(env->stream, dt, p.x_out, f->emb_a, f->emb_ia, f->emb_b, f->emb_ib,
@@ -937,7 +1104,7 @@ int cuda_linear(cuda_linear_env *env, pd_dtype dt, void *y, const void *x, int x
     if (via_tmp) cuda_add(env->stream, dt, y, dst, (size_t)T * out);
     if (f->argmax) {
         const cuda_argmax_scratch scr = cuda_linear_argmax_scratch(env);
-        cuda_argmax(env->stream, dt, f->argmax, y, T, out, &scr, env->pdl);
+        cuda_argmax(env->stream, dt, f->argmax, f->argmax_copy, y, T, out, &scr, env->pdl);
     }
     return 0;
 }

@@ -17,7 +17,7 @@
 static_assert(ARGMAX_THREADS == 1024, "argmax_kernel reduces exactly 32 warps");
 
 template <typename T>
-__global__ void argmax_kernel(int32_t *ids, const T *x, int n) {
+__global__ void argmax_kernel(int32_t *ids, int32_t *ids_copy, const T *x, int n) {
     __shared__ float warp_v[ARGMAX_THREADS / 32];
     __shared__ int warp_i[ARGMAX_THREADS / 32];
     pdl_trigger();
@@ -48,7 +48,9 @@ __global__ void argmax_kernel(int32_t *ids, const T *x, int n) {
     if (warp != 0) return;
     v = warp_v[lane], idx = warp_i[lane]; /* ARGMAX_THREADS / 32 == 32 */
     cuda_argmax_warp(v, idx, n);
-    if (lane == 0) ids[blockIdx.x] = idx < n ? idx : 0;
+    if (lane != 0) return;
+    ids[blockIdx.x] = idx < n ? idx : 0;
+    if (ids_copy) ids_copy[blockIdx.x] = idx < n ? idx : 0;
 }
 
 /* The split argmax: block (part, row) finds the best of its slice of the
@@ -57,7 +59,8 @@ __global__ void argmax_kernel(int32_t *ids, const T *x, int n) {
  * any order and the result is argmax_kernel's. */
 #define ARGMAX_SPLIT_THREADS 256
 template <typename T>
-__global__ void argmax_split_kernel(int32_t *ids, const T *x, int n, cuda_argmax_scratch scr) {
+__global__ void argmax_split_kernel(int32_t *ids, int32_t *ids_copy, const T *x, int n,
+                                    cuda_argmax_scratch scr) {
     __shared__ float warp_v[ARGMAX_SPLIT_THREADS / 32];
     __shared__ int warp_i[ARGMAX_SPLIT_THREADS / 32];
     __shared__ int last;
@@ -109,22 +112,24 @@ __global__ void argmax_split_kernel(int32_t *ids, const T *x, int n, cuda_argmax
         v = __ldcg(&scr.v[warp * CUDA_ARGMAX_PARTS + lane]),
         idx = __ldcg(&scr.i[warp * CUDA_ARGMAX_PARTS + lane]);
     cuda_argmax_warp(v, idx, n);
-    if (lane == 0) ids[warp] = idx < n ? idx : 0;
+    if (lane != 0) return;
+    ids[warp] = idx < n ? idx : 0;
+    if (ids_copy) ids_copy[warp] = idx < n ? idx : 0;
 }
 
-void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, const void *x, int rows, int n,
-                 const cuda_argmax_scratch *scratch, int pdl) {
+void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, int32_t *ids_copy, const void *x,
+                 int rows, int n, const cuda_argmax_scratch *scratch, int pdl) {
     if (rows <= 0 || n <= 0) return;
     if (scratch && rows <= CUDA_ARGMAX_SPLIT_ROWS && n >= 64 * CUDA_ARGMAX_PARTS) {
         cudaLaunchAttribute attr;
         const cudaLaunchConfig_t cfg = cuda_launch_cfg(
             dim3(CUDA_ARGMAX_PARTS, rows), dim3(ARGMAX_SPLIT_THREADS), 0, s, pdl, &attr);
         CUDA_DISPATCH(dt, E,
-                      cudaLaunchKernelEx(&cfg, argmax_split_kernel<E>, ids, (const E *)x, n,
-                                         *scratch))
+                      cudaLaunchKernelEx(&cfg, argmax_split_kernel<E>, ids, ids_copy,
+                                         (const E *)x, n, *scratch))
         return;
     }
-    CUDA_DISPATCH(dt, E, argmax_kernel<E><<<rows, ARGMAX_THREADS, 0, s>>>(ids, (const E *)x, n))
+    CUDA_DISPATCH(dt, E, argmax_kernel<E><<<rows, ARGMAX_THREADS, 0, s>>>(ids, ids_copy, (const E *)x, n))
 }
 
 /* ---- sampling: temperature, min_p, top_k, top_p, then one draw ----

@@ -605,6 +605,20 @@ static void test_linear(const pair *p) {
         }
 }
 
+static void test_linear_heads(const pair *p) {
+    /* LM heads of one token (16-bit: the streaming GEMV kernel where the
+     * input is a multiple of 256): opt-125m's with its final LN, with a
+     * bias and a padded x, a plain LN (not the kernel's), opt-350m's after
+     * project_out (no LN), opt-1.3b's input on the fewest outputs that
+     * count as a head, and an input no multiple of 256 (not the kernel's). */
+    linear_case(p, 1, 768, 50272, LIN_LN, 0, PD_ACT_RELU, 768);
+    linear_case(p, 1, 768, 50272, LIN_LN | LIN_BIAS, 0, PD_ACT_RELU, 776);
+    linear_case(p, 1, 768, 50272, LIN_LN, 1, PD_ACT_RELU, 768);
+    linear_case(p, 1, 512, 50272, 0, 0, PD_ACT_RELU, 512);
+    linear_case(p, 1, 2048, 16384, LIN_LN, 0, PD_ACT_RELU, 2048);
+    linear_case(p, 1, 1000, 20000, LIN_LN, 0, PD_ACT_RELU, 1000);
+}
+
 /* ---- linear with the embedding in front (pd_linear_fuse.emb_a) ----
  * Against the embedding_sum op, then the same linear, on the same GPU:
  * both x (which the fused call writes) and y must be bit-identical. */
@@ -891,6 +905,7 @@ static void test_linear_argmax(const pair *p) {
             void *ln_out = g->alloc(g, (size_t)T * in * g->elem_size, &err);
             int32_t *d_fused = g->alloc(g, sizeof(int32_t) * T, &err);
             int32_t *d_ref = g->alloc(g, sizeof(int32_t) * T, &err);
+            int32_t *d_copy = g->alloc(g, sizeof(int32_t) * T, &err);
             for (int with_ln = 0; with_ln < 2; with_ln++) {
                 pd_linear_fuse f = {.layer_norm = with_ln,
                                     .ln_w = dlw,
@@ -899,9 +914,12 @@ static void test_linear_argmax(const pair *p) {
                                     .ln_out = ln_out};
                 g->linear(g, y1, dx, in, dw, db, T, in, out, &f);
                 f.argmax = d_fused;
+                f.argmax_copy = d_copy;
                 g->linear(g, y2, dx, in, dw, db, T, in, out, &f);
                 g->argmax(g, d_ref, y2, T, out);
-                int32_t fused[9], ref[9];
+                int32_t fused[9], ref[9], copy[9];
+                CHECKF(g->copy_d2h(g, copy, d_copy, sizeof(int32_t) * T, &err) == 0, "%s",
+                       err.msg);
                 CHECKF(g->copy_d2h(g, fused, d_fused, sizeof(int32_t) * T, &err) == 0, "%s",
                        err.msg);
                 CHECKF(g->copy_d2h(g, ref, d_ref, sizeof(int32_t) * T, &err) == 0, "%s", err.msg);
@@ -911,6 +929,9 @@ static void test_linear_argmax(const pair *p) {
                     if (memcmp(&a[i], &b[i], sizeof(float)) != 0) differ++;
                 CHECKF(differ == 0, "%s linear+argmax %d->%d T=%d ln=%d: %zu logits changed",
                        p->variant, in, out, T, with_ln, differ);
+                for (int t = 0; t < T; t++)
+                    CHECKF(copy[t] == fused[t], "%s linear+argmax %d->%d T=%d token %d: copy %d, ids %d",
+                           p->variant, in, out, T, t, copy[t], fused[t]);
                 for (int t = 0; t < T; t++)
                     CHECKF(fused[t] == ref[t],
                            "%s linear+argmax %d->%d T=%d ln=%d token %d: %d, "
@@ -926,8 +947,8 @@ static void test_linear_argmax(const pair *p) {
                     CHECKF(fused[1] == 0, "%s: a row of NaN picks %d, not 0", p->variant, fused[1]);
                 free(a), free(b);
             }
-            void *ptrs[] = {dw, dx, db, dlw, dlb, y1, y2, ln_out, d_fused, d_ref};
-            for (int k = 0; k < 10; k++)
+            void *ptrs[] = {dw, dx, db, dlw, dlb, y1, y2, ln_out, d_fused, d_ref, d_copy};
+            for (int k = 0; k < 11; k++)
                 g->free(g, ptrs[k]);
             free(w), free(x), free(bias), free(lnw), free(lnb);
         }
@@ -1020,6 +1041,23 @@ static void test_sampling(const pair *p) {
         free(work);
 }
 
+/* The LM head's cases with PDSERVE_CUDA_HEAD=route, read when the backend
+ * is created: every route kept for A/B timing is checked too. */
+static void run_head_route(const char *variant, double tol, const char *route) {
+    pair p = {.variant = variant, .tol = tol};
+    pd_err err;
+    setenv("PDSERVE_CUDA_HEAD", route, 1);
+    CHECKF(pd_backend_create("cpu", 0, &p.cpu, &err) == 0, "%s", err.msg);
+    CHECKF(pd_backend_create(variant, 0, &p.gpu, &err) == 0, "%s: %s", variant, err.msg);
+    unsetenv("PDSERVE_CUDA_HEAD");
+    if (p.cpu && p.gpu) {
+        test_linear_heads(&p);
+        test_linear_argmax(&p);
+    }
+    pd_backend_destroy(p.gpu);
+    pd_backend_destroy(p.cpu);
+}
+
 static void run_variant(const char *variant, double tol) {
     pair p = {.variant = variant, .tol = tol};
     pd_err err;
@@ -1028,6 +1066,7 @@ static void run_variant(const char *variant, double tol) {
     if (p.cpu && p.gpu) {
         test_gemm(&p);
         test_linear(&p);
+        test_linear_heads(&p);
         test_linear_embed(&p);
         test_layer_norm(&p);
         test_elementwise(&p);
@@ -1057,6 +1096,11 @@ int main(void) {
      * significant digits against the fp32 reference. */
     run_variant("cuda-fp16", 1e-2);
     run_variant("cuda-bf16", 4e-2);
+    const char *routes[] = {"gemv", "blas", "fused", "split"};
+    for (int r = 0; r < 4; r++) {
+        run_head_route("cuda-fp16", 1e-2, routes[r]);
+        run_head_route("cuda-bf16", 4e-2, routes[r]);
+    }
     time_linear("cuda");
     time_linear("cuda-fp16");
     time_linear("cuda-bf16");
