@@ -66,7 +66,7 @@ typedef struct opt_graphs {
      * chained step of opt_forward_queue); plain steps use variant 0. */
     void *exec[OPT_GRAPH_SIZES][4];
     int last_variant[OPT_GRAPH_SIZES]; /* the variant replayed last (opt_model_time_graph) */
-    int replays, captures;            /* for logs and tests */
+    int replays, captures;             /* for logs and tests */
 } opt_graphs;
 
 /* Steps queued by opt_forward_queue and not yet handed out by

@@ -665,7 +665,8 @@ template <int CPL> struct head_shape {
 };
 
 template <typename E, int CPL>
-__global__ void __launch_bounds__(LIN_THREADS, HEAD_BLOCKS_PER_SM) linear_head_kernel(lin_params p) {
+__global__ void __launch_bounds__(LIN_THREADS, HEAD_BLOCKS_PER_SM)
+    linear_head_kernel(lin_params p) {
     constexpr int R = head_shape<CPL>::ROWS, V = 8;
     extern __shared__ uint4 lin_dyn[];
     __shared__ float warp_v[LIN_WARPS];
@@ -682,8 +683,8 @@ __global__ void __launch_bounds__(LIN_THREADS, HEAD_BLOCKS_PER_SM) linear_head_k
             const E *wr = w + (size_t)(row < p.out ? row : 0) * p.in + lane * V;
 #pragma unroll
             for (int c = 0; c < CPL; c++)
-                wv[r][c] = row < p.out ? __ldg((const uint4 *)(wr + c * 32 * V))
-                                       : make_uint4(0, 0, 0, 0);
+                wv[r][c] =
+                    row < p.out ? __ldg((const uint4 *)(wr + c * 32 * V)) : make_uint4(0, 0, 0, 0);
         }
     };
     int grp = (int)blockIdx.x * LIN_WARPS + warp;
@@ -747,20 +748,15 @@ __global__ void __launch_bounds__(LIN_THREADS, HEAD_BLOCKS_PER_SM) linear_head_k
 }
 
 /* The instance for CPL pieces a lane (in = CPL * 256 16-bit elements). */
-template <typename E> static void *lin_head_kernel_for(int cpl) {
-    switch (cpl) {
-    case 1: return (void *)linear_head_kernel<E, 1>;
-    case 2: return (void *)linear_head_kernel<E, 2>;
-    case 3: return (void *)linear_head_kernel<E, 3>;
-    case 4: return (void *)linear_head_kernel<E, 4>;
-    case 5: return (void *)linear_head_kernel<E, 5>;
-    case 6: return (void *)linear_head_kernel<E, 6>;
-    case 7: return (void *)linear_head_kernel<E, 7>;
-    case 8: return (void *)linear_head_kernel<E, 8>;
-    }
-    return NULL;
-}
 #define LIN_HEAD_MAX_CPL 8
+template <typename E> static void *lin_head_kernel_for(int cpl) {
+    void *const kernels[LIN_HEAD_MAX_CPL] = {
+        (void *)linear_head_kernel<E, 1>, (void *)linear_head_kernel<E, 2>,
+        (void *)linear_head_kernel<E, 3>, (void *)linear_head_kernel<E, 4>,
+        (void *)linear_head_kernel<E, 5>, (void *)linear_head_kernel<E, 6>,
+        (void *)linear_head_kernel<E, 7>, (void *)linear_head_kernel<E, 8>};
+    return cpl >= 1 && cpl <= LIN_HEAD_MAX_CPL ? kernels[cpl - 1] : NULL;
+}
 
 template <typename E, int NTILE> static void *lin_kernel(bool mma, bool long_rows) {
     if constexpr (sizeof(E) == 2)
@@ -933,12 +929,12 @@ static bool lin_head(cuda_linear_env *env, pd_dtype dt, const lin_params &base) 
     if (blocks > HEAD_BLOCKS_PER_SM * env->sm_count) blocks = HEAD_BLOCKS_PER_SM * env->sm_count;
     if (blocks > env->am_blocks) blocks = env->am_blocks; /* lin_am_finish's scratch */
     p.am_v = env->am_v, p.am_i = env->am_i, p.am_counter = env->am_counter;
-    void *k = dt == PD_F16 ? lin_head_kernel_for<__half>(cpl)
-                           : lin_head_kernel_for<__nv_bfloat16>(cpl);
+    void *k =
+        dt == PD_F16 ? lin_head_kernel_for<__half>(cpl) : lin_head_kernel_for<__nv_bfloat16>(cpl);
     void *args[] = {&p};
     cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = cuda_launch_cfg(dim3(blocks), dim3(LIN_THREADS),
-                                                   (size_t)p.in_pad * 2, env->stream, env->pdl, &attr);
+    const cudaLaunchConfig_t cfg = cuda_launch_cfg(
+        dim3(blocks), dim3(LIN_THREADS), (size_t)p.in_pad * 2, env->stream, env->pdl, &attr);
     cudaLaunchKernelExC(&cfg, k, args); /* errors: cudaGetLastError */
     return true;
 }

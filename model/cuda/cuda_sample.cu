@@ -125,11 +125,12 @@ void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, int32_t *ids_copy, c
         const cudaLaunchConfig_t cfg = cuda_launch_cfg(
             dim3(CUDA_ARGMAX_PARTS, rows), dim3(ARGMAX_SPLIT_THREADS), 0, s, pdl, &attr);
         CUDA_DISPATCH(dt, E,
-                      cudaLaunchKernelEx(&cfg, argmax_split_kernel<E>, ids, ids_copy,
-                                         (const E *)x, n, *scratch))
+                      cudaLaunchKernelEx(&cfg, argmax_split_kernel<E>, ids, ids_copy, (const E *)x,
+                                         n, *scratch))
         return;
     }
-    CUDA_DISPATCH(dt, E, argmax_kernel<E><<<rows, ARGMAX_THREADS, 0, s>>>(ids, ids_copy, (const E *)x, n))
+    CUDA_DISPATCH(dt, E,
+                  argmax_kernel<E><<<rows, ARGMAX_THREADS, 0, s>>>(ids, ids_copy, (const E *)x, n))
 }
 
 /* ---- sampling: temperature, min_p, top_k, top_p, then one draw ----

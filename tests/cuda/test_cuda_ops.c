@@ -918,8 +918,7 @@ static void test_linear_argmax(const pair *p) {
                 g->linear(g, y2, dx, in, dw, db, T, in, out, &f);
                 g->argmax(g, d_ref, y2, T, out);
                 int32_t fused[9], ref[9], copy[9];
-                CHECKF(g->copy_d2h(g, copy, d_copy, sizeof(int32_t) * T, &err) == 0, "%s",
-                       err.msg);
+                CHECKF(g->copy_d2h(g, copy, d_copy, sizeof(int32_t) * T, &err) == 0, "%s", err.msg);
                 CHECKF(g->copy_d2h(g, fused, d_fused, sizeof(int32_t) * T, &err) == 0, "%s",
                        err.msg);
                 CHECKF(g->copy_d2h(g, ref, d_ref, sizeof(int32_t) * T, &err) == 0, "%s", err.msg);
@@ -930,8 +929,9 @@ static void test_linear_argmax(const pair *p) {
                 CHECKF(differ == 0, "%s linear+argmax %d->%d T=%d ln=%d: %zu logits changed",
                        p->variant, in, out, T, with_ln, differ);
                 for (int t = 0; t < T; t++)
-                    CHECKF(copy[t] == fused[t], "%s linear+argmax %d->%d T=%d token %d: copy %d, ids %d",
-                           p->variant, in, out, T, t, copy[t], fused[t]);
+                    CHECKF(copy[t] == fused[t],
+                           "%s linear+argmax %d->%d T=%d token %d: copy %d, ids %d", p->variant, in,
+                           out, T, t, copy[t], fused[t]);
                 for (int t = 0; t < T; t++)
                     CHECKF(fused[t] == ref[t],
                            "%s linear+argmax %d->%d T=%d ln=%d token %d: %d, "
