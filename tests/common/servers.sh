@@ -50,11 +50,22 @@ serve_start() {
   printf -v "URL_$name" 'http://127.0.0.1:%s' "$port"
 }
 
-# The sockets stay bound until all are picked, so the ports are distinct.
+# Random ports below the kernel's ephemeral range (which starts at 32768
+# on Linux), each bound once to check it is free: a port the kernel handed
+# out here and then released can go to another test's client socket or
+# listener before our server binds it (ctest runs tests side by side), and
+# a request then reaches the wrong server. The sockets stay bound until
+# all are picked, so the ports are distinct.
 free_ports() {
   python3 -c '
-import socket, sys
-ss = [socket.socket() for _ in range(int(sys.argv[1]))]
-for s in ss: s.bind(("127.0.0.1", 0))
+import random, socket, sys
+n, ss = int(sys.argv[1]), []
+while len(ss) < n:
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", random.randrange(10000, 32000)))
+        ss.append(s)
+    except OSError:
+        s.close()
 print(" ".join(str(s.getsockname()[1]) for s in ss))' "$1"
 }
