@@ -830,15 +830,14 @@ static void forward_ops(opt_model *m, opt_kv_storage *kv, const pd_step_meta *me
     if (be->argmax && !pick_in_head) be->argmax(be, picks, s->logits, n_logits, c->vocab_size);
 }
 
-/* The sample op's draws from the logits into picks buffer buf, and where
- * the picks are mapped host memory their device copy (s.ids_dev, which a
- * chained step after this one reads). */
-static int sample_picks(opt_model *m, int buf, int rows, pd_err *err) {
-    pd_backend *be = m->be;
-    be->sample(be, m->s.ids[buf], m->s.logits, rows, m->cfg.vocab_size, m->s.sample_dev);
+/* Queue the copy of picks buffer buf's rows into its device copy
+ * (s.ids_dev, which a chained step after this one reads) where the picks
+ * are mapped host memory: for the sample op's draws, which, unlike the LM
+ * head's greedy picks, are not written there by the op itself. */
+static int picks_to_device(opt_model *m, int buf, int rows, pd_err *err) {
     if (!m->s.ids_mapped) return 0;
-    if (be->copy_h2d_async(be, m->s.ids_dev[buf], m->s.ids[buf], sizeof(int32_t) * (size_t)rows,
-                           err) != 0)
+    if (m->be->copy_h2d_async(m->be, m->s.ids_dev[buf], m->s.ids[buf],
+                              sizeof(int32_t) * (size_t)rows, err) != 0)
         return pd_wrap(err, "opt forward: the draws' device copy");
     return 0;
 }
@@ -855,7 +854,7 @@ static int read_outputs(opt_model *m, int n_logits, float *logits, int32_t *ids,
         if (copy_meta(be, m->s.sample_dev, sample_params, sizeof(float) * 5 * (size_t)n_logits,
                       err) != 0)
             return pd_wrap(err, "opt forward: sampling parameters");
-        if (sample_picks(m, buf, n_logits, err) != 0) return -1;
+        be->sample(be, m->s.ids[buf], m->s.logits, n_logits, V, m->s.sample_dev);
     }
     if (logits &&
         be->download_f32(be, logits, m->s.logits, (size_t)n_logits * V, err) != 0)
@@ -1282,13 +1281,15 @@ int opt_forward_queue(opt_model *m, opt_kv_storage *kv, const opt_seq_step *seqs
             if (copy_meta(be, m->s.sample_dev, a->params_host[buf], sizeof(float) * 5 * (size_t)n_seqs,
                           err) != 0)
                 return pd_wrap(err, "opt forward: sampling parameters");
-            if (sample_picks(m, buf, n_seqs, err) != 0) return -1;
+            be->sample(be, m->s.ids[buf], m->s.logits, n_seqs, m->cfg.vocab_size, m->s.sample_dev);
+            if (picks_to_device(m, buf, n_seqs, err) != 0) return -1;
         }
         if (be->event_record(be, a->event[buf], err) != 0) return -1;
         p->done = false;
     } else {
         if (ahead_drain(m, err) != 0) return -1;
-        if (forward_sync(m, kv, run, n_seqs, NULL, a->picks[buf], sample_params, buf, err) != 0)
+        if (forward_sync(m, kv, run, n_seqs, NULL, a->picks[buf], sample_params, buf, err) != 0 ||
+            (sample_params && picks_to_device(m, buf, n_seqs, err) != 0))
             return -1;
         p->done = true;
     }

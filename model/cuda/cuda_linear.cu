@@ -441,8 +441,9 @@ __device__ void lin_am_finish(const lin_params &p, float best_v, int best_i) {
                          __ldcg(&p.am_i[b * LIN_MAX_T + t]), p.out);
     cuda_argmax_warp(v, idx, p.out);
     if (lane != 0) return;
-    p.argmax[t] = idx < p.out ? idx : 0;
-    if (p.argmax_copy) p.argmax_copy[t] = idx < p.out ? idx : 0;
+    const int id = idx < p.out ? idx : 0;
+    p.argmax[t] = id;
+    if (p.argmax_copy) p.argmax_copy[t] = id;
 }
 
 /* ---- fp16 / bf16: tensor-core MMA ---- */
@@ -646,9 +647,9 @@ __global__ void __launch_bounds__(LIN_THREADS) linear_simt_kernel(lin_params p) 
  * kernels above spend their time on shared-memory traffic and
  * per-tile-block barriers there, and layer norm + cuBLASLt + the argmax
  * op is three launches. Here each warp owns whole rows of W: lane l reads
- * the 16-byte pieces l, l + 32, .. of a row (HEAD_CPL of them), so a
+ * the 16-byte pieces l, l + 32, .. of a row (CPL of them), so a
  * warp's loads of one row are 512 contiguous bytes, and it keeps
- * HEAD_ROWS rows in flight; the next group's loads are issued before this
+ * head_rows(CPL) rows in flight; the next group's loads are issued before this
  * group's sums are reduced. Each block normalises x once into shared
  * memory (lin_stage_ln_row, the small-T kernels' own layer norm), each
  * warp keeps its best (value, row) by the argmax rule, and the last block
@@ -659,15 +660,16 @@ __global__ void __launch_bounds__(LIN_THREADS) linear_simt_kernel(lin_params p) 
 /* Blocks an SM holds (the launch bounds): 2 leave the rows in flight and
  * the widened pieces their registers without spilling. */
 #define HEAD_BLOCKS_PER_SM 2
-template <int CPL> struct head_shape {
-    /* ~12 pieces (48 registers) in flight a lane, at least one row */
-    static constexpr int ROWS = CPL >= 12 ? 1 : 12 / CPL;
-};
+/* Rows a warp has in flight: ~12 pieces (48 registers) a lane, at least
+ * one row. The kernel's template argument and lin_head's grid both use it. */
+__host__ __device__ constexpr int head_rows(int cpl) {
+    return cpl >= 12 ? 1 : 12 / cpl;
+}
 
 template <typename E, int CPL>
 __global__ void __launch_bounds__(LIN_THREADS, HEAD_BLOCKS_PER_SM)
     linear_head_kernel(lin_params p) {
-    constexpr int R = head_shape<CPL>::ROWS, V = 8;
+    constexpr int R = head_rows(CPL), V = 8;
     extern __shared__ uint4 lin_dyn[];
     __shared__ float warp_v[LIN_WARPS];
     __shared__ int warp_i[LIN_WARPS];
@@ -923,7 +925,7 @@ static bool lin_head(cuda_linear_env *env, pd_dtype dt, const lin_params &base) 
         p.vec_ln = p.ln_w && p.ln_b && lin_aligned16(p.ln_w) && lin_aligned16(p.ln_b);
         if (!p.vec_ln || p.in > 8 * LIN_THREADS) return false;
     }
-    const int rows = cpl >= 12 ? 1 : 12 / cpl; /* head_shape<cpl>::ROWS */
+    const int rows = head_rows(cpl);
     const int groups = (p.out + rows - 1) / rows;
     int blocks = (groups + LIN_WARPS - 1) / LIN_WARPS;
     if (blocks > HEAD_BLOCKS_PER_SM * env->sm_count) blocks = HEAD_BLOCKS_PER_SM * env->sm_count;

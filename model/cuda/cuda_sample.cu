@@ -49,8 +49,9 @@ __global__ void argmax_kernel(int32_t *ids, int32_t *ids_copy, const T *x, int n
     v = warp_v[lane], idx = warp_i[lane]; /* ARGMAX_THREADS / 32 == 32 */
     cuda_argmax_warp(v, idx, n);
     if (lane != 0) return;
-    ids[blockIdx.x] = idx < n ? idx : 0;
-    if (ids_copy) ids_copy[blockIdx.x] = idx < n ? idx : 0;
+    const int id = idx < n ? idx : 0;
+    ids[blockIdx.x] = id;
+    if (ids_copy) ids_copy[blockIdx.x] = id;
 }
 
 /* The split argmax: block (part, row) finds the best of its slice of the
@@ -113,8 +114,9 @@ __global__ void argmax_split_kernel(int32_t *ids, int32_t *ids_copy, const T *x,
         idx = __ldcg(&scr.i[warp * CUDA_ARGMAX_PARTS + lane]);
     cuda_argmax_warp(v, idx, n);
     if (lane != 0) return;
-    ids[warp] = idx < n ? idx : 0;
-    if (ids_copy) ids_copy[warp] = idx < n ? idx : 0;
+    const int id = idx < n ? idx : 0;
+    ids[warp] = id;
+    if (ids_copy) ids_copy[warp] = id;
 }
 
 void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, int32_t *ids_copy, const void *x,
