@@ -295,23 +295,37 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
             }
         }
     }
-    pdl_wait(); /* q, and (below) the new row: written by the kernel before */
+    /* Thread d < head_dim (head_dim <= DEC_THREADS) owns dim d of q and, if
+     * this block does the part holding the token, of its own k and v: all
+     * three are loaded together right after the wait, one round trip to L2
+     * on the critical path instead of two (q, then k and v). */
+    const int d = (int)threadIdx.x, tok_part = (n_ctx - 1) / DEC_PART;
+    const bool has_token =
+        k_new && tok_part >= (int)blockIdx.y && (tok_part - (int)blockIdx.y) % slots == 0;
+    const int32_t tok_slot = has_token ? slot_mapping[t] : -1;
+    pdl_wait(); /* q and the new row: written by the kernel before */
+    float qd = 0.0f;
+    T kd = T(), vd = T();
+    if (d < head_dim) {
+        qd = to_f32(q[(size_t)t * q_stride + (size_t)h * head_dim + d]);
+        if (has_token) {
+            kd = k_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
+            vd = v_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
+        }
+    }
     if constexpr (PRE) dec_copy_wait(); /* this thread's copies; the barrier below shares them */
     float *qs = smem, *acc_part = smem + head_dim, *e = acc_part + DEC_ACC;
-    const T *qt = q + (size_t)t * q_stride + (size_t)h * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) qs[d] = to_f32(qt[d]) * scale;
+    if (d < head_dim) qs[d] = qd * scale;
     const int groups = DEC_THREADS / dec_lanes<T>(head_dim, v_cache);
     int done = 0;
     for (int part_i = blockIdx.y; part_i * DEC_PART < n_ctx; part_i += slots) {
         const int p0 = part_i * DEC_PART, p1 = min(n_ctx, p0 + DEC_PART);
-        if (k_new && p1 == n_ctx) { /* this part holds the token itself: its k, v first */
-            const int32_t slot = slot_mapping[t];
+        if (has_token && p1 == n_ctx) { /* this part holds the token itself: its k, v first */
+            const int32_t slot = tok_slot;
             /* With the part prefetched, the new row also goes where its
              * neighbours are (saving the part two reads of it from L2). */
             T *staged = pre.on ? (T *)pre.kv + (size_t)(n_ctx - 1 - p0) * head_dim : NULL;
-            for (int d = threadIdx.x; d < head_dim; d += DEC_THREADS) {
-                const T kd = k_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
-                const T vd = v_new[(size_t)t * new_stride + (size_t)h * head_dim + d];
+            if (d < head_dim) {
                 if (slot >= 0) {
                     const size_t at = (size_t)slot * row + (size_t)h * head_dim + d;
                     k_cache[at] = kd;

@@ -56,6 +56,21 @@
  * a second round after it. */
 #define LIN_UNROLL_MMA 8
 #define LIN_UNROLL_MMA_LONG 16
+/* Two more sizes, chosen so that a linear's blocks fit on an SM beside the
+ * previous one's: an SM has 64K registers, and at batch-1 decode fc1's 384
+ * blocks sit 3 to an SM while fc2's 96 wait for room. At 80 registers a
+ * thread (3 x 20K) and 128 for fc2 (32K) two of fc1's blocks had to retire
+ * before an fc2 block could start loading its weights, and likewise qkv's
+ * behind fc2. With up to 4 loads in flight at 56 registers (qkv, out_proj,
+ * fc1 of opt-125m: 3 chunks a warp) and up to 12 at 88 (fc2: 12), three
+ * blocks of one and one of the other use exactly 64K: the next linear's
+ * blocks become resident, and load their weights, while the previous
+ * linear still runs. ptxas reports no spills at these caps. */
+#define LIN_UNROLL_MMA_SHORT 4
+#define LIN_UNROLL_MMA_FIT_LONG 12
+/* The register cap of each size (launch bounds 3 and 2 an SM for the older
+ * two). */
+#define LIN_MMA_MAXNREG(U) ((U) <= 4 ? 56 : (U) <= 8 ? 80 : (U) <= 12 ? 88 : 128)
 
 /* One call's arguments, by value to the kernel. */
 struct lin_params {
@@ -480,7 +495,8 @@ __device__ __forceinline__ void lin_mma(float *c, uint32_t a0, uint32_t a2, uint
  * Logical k (2q + {0,1}, 2q + 8 + {0,1}) of step s is physical element
  * 8q + 4s + ({0,1}, {2,3}) of the chunk, for A and B alike. */
 template <typename E, int NTILE, int UNROLL>
-__global__ void __launch_bounds__(LIN_THREADS, UNROLL > 8 ? 2 : 3) linear_mma_kernel(lin_params p) {
+__global__ void __launch_bounds__(LIN_THREADS) __maxnreg__(LIN_MMA_MAXNREG(UNROLL))
+    linear_mma_kernel(lin_params p) {
     constexpr int KS = LIN_WARPS / NTILE; /* warps sharing one tile's k range */
     extern __shared__ uint4 lin_dyn[];
     __shared__ float red[LIN_WARPS * 64];
@@ -760,20 +776,38 @@ template <typename E> static void *lin_head_kernel_for(int cpl) {
     return cpl >= 1 && cpl <= LIN_HEAD_MAX_CPL ? kernels[cpl - 1] : NULL;
 }
 
-template <typename E, int NTILE> static void *lin_kernel(bool mma, bool long_rows) {
+/* The MMA kernel's loads in flight for chunks_per_warp chunks a warp: the
+ * smallest size that loads them all before griddepcontrol.wait, else 8 in
+ * a loop. fit_off: the two older sizes only. */
+static int lin_unroll_for(int chunks_per_warp, bool fit_off) {
+    if (!fit_off && chunks_per_warp <= LIN_UNROLL_MMA_SHORT) return LIN_UNROLL_MMA_SHORT;
+    if (chunks_per_warp <= LIN_UNROLL_MMA) return LIN_UNROLL_MMA;
+    if (!fit_off && chunks_per_warp <= LIN_UNROLL_MMA_FIT_LONG) return LIN_UNROLL_MMA_FIT_LONG;
+    return chunks_per_warp <= LIN_UNROLL_MMA_LONG ? LIN_UNROLL_MMA_LONG : LIN_UNROLL_MMA;
+}
+
+static const int lin_unrolls[] = {LIN_UNROLL_MMA_SHORT, LIN_UNROLL_MMA, LIN_UNROLL_MMA_FIT_LONG,
+                                  LIN_UNROLL_MMA_LONG};
+
+template <typename E, int NTILE> static void *lin_kernel(bool mma, int unroll) {
     if constexpr (sizeof(E) == 2)
         if (mma)
-            return long_rows ? (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA_LONG>
-                             : (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA>;
-    (void)long_rows;
+            return unroll == LIN_UNROLL_MMA_SHORT
+                       ? (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA_SHORT>
+                   : unroll == LIN_UNROLL_MMA_FIT_LONG
+                       ? (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA_FIT_LONG>
+                   : unroll == LIN_UNROLL_MMA_LONG
+                       ? (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA_LONG>
+                       : (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA>;
+    (void)unroll;
     return (void *)linear_simt_kernel<E, NTILE>;
 }
 
-static void *lin_kernel_for(pd_dtype dt, bool mma, int ntile, bool long_rows) {
+static void *lin_kernel_for(pd_dtype dt, bool mma, int ntile, int unroll) {
     CUDA_DISPATCH(dt, E,
-                  return ntile == 4   ? lin_kernel<E, 4>(mma, long_rows)
-                         : ntile == 2 ? lin_kernel<E, 2>(mma, long_rows)
-                                      : lin_kernel<E, 1>(mma, long_rows))
+                  return ntile == 4   ? lin_kernel<E, 4>(mma, unroll)
+                         : ntile == 2 ? lin_kernel<E, 2>(mma, unroll)
+                                      : lin_kernel<E, 1>(mma, unroll))
     return NULL;
 }
 
@@ -795,6 +829,8 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
                                                        : cuda_linear_env::CUDA_HEAD_GEMV;
     const char *t1 = getenv("PDSERVE_CUDA_T1_NTILE");
     env->t1_ntile = t1 && (!strcmp(t1, "2") || !strcmp(t1, "4")) ? atoi(t1) : 1;
+    const char *fit = getenv("PDSERVE_CUDA_LIN_FIT");
+    env->fit_off = fit && !strcmp(fit, "0");
     const char *small = getenv("PDSERVE_CUDA_SMALL");
     env->small_off = small && !strcmp(small, "0");
     /* The kernels' static shared memory (the partial sums) comes off the top. */
@@ -814,8 +850,8 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
     for (int d = 0; d < 3; d++)
         for (int mma = 0; mma < 2; mma++)
             for (int ntile = 1; ntile <= 4; ntile *= 2)
-                for (int long_rows = 0; long_rows < 2; long_rows++) {
-                    void *k = lin_kernel_for(dts[d], mma, ntile, long_rows);
+                for (int u = 0; u < (int)(sizeof lin_unrolls / sizeof *lin_unrolls); u++) {
+                    void *k = lin_kernel_for(dts[d], mma, ntile, lin_unrolls[u]);
                     e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)env->smem_max);
                     if (e == cudaSuccess) e = cuda_set_carveout(k);
@@ -881,9 +917,8 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
      * 1,571 tile blocks) in one pass, each block staging and normalising x
      * once instead of once per tile block. */
     const int chunks_per_warp = ((p.in + 31) / 32 + LIN_WARPS / ntile - 1) / (LIN_WARPS / ntile);
-    const bool long_rows =
-        chunks_per_warp > LIN_UNROLL_MMA && chunks_per_warp <= LIN_UNROLL_MMA_LONG;
-    const int resident = mma ? (long_rows ? 2 : 3) * env->sm_count : p.n_vblocks;
+    const int unroll = lin_unroll_for(chunks_per_warp, env->fit_off);
+    const int resident = mma ? (unroll > LIN_UNROLL_MMA ? 2 : 3) * env->sm_count : p.n_vblocks;
     const unsigned blocks = (unsigned)(p.n_vblocks < resident ? p.n_vblocks : resident);
     /* The argmax rides in the MMA kernel; the FMA kernel's rows get the
      * argmax op after it. */
@@ -894,7 +929,7 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
         p.argmax = NULL, p.argmax_copy = NULL;
     }
     p.am_v = env->am_v, p.am_i = env->am_i, p.am_counter = env->am_counter;
-    void *k = lin_kernel_for(dt, mma, ntile, long_rows);
+    void *k = lin_kernel_for(dt, mma, ntile, unroll);
     void *args[] = {&p};
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg =
