@@ -314,9 +314,10 @@ typedef struct cuda_linear_env {
      * has the timings). */
     enum { CUDA_HEAD_FUSED, CUDA_HEAD_SPLIT, CUDA_HEAD_BLAS, CUDA_HEAD_GEMV } head_route;
     /* Tiles a block of the MMA kernel takes at T = 1 (PDSERVE_CUDA_T1_NTILE:
-     * 1, the default, 2 or 4; for A/B timing). Fewer, fatter blocks for qkv
-     * and fc1 may let the next linear's blocks become resident sooner; not
-     * measured yet (docs/cuda-backend.md, Not done yet). */
+     * 1, the default, 2 or 4; for A/B timing). Fewer, fatter blocks were
+     * 6-8 us slower a step (docs/cuda-backend.md, Not done yet); the
+     * register sizes (fit_off) are what let the next linear's blocks
+     * become resident sooner. */
     int t1_ntile;
     /* PDSERVE_CUDA_LIN_FIT=0: the MMA kernel's two older register sizes
      * only (8 loads in flight at 80 registers, 16 at 128), for A/B timing
