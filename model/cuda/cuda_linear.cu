@@ -776,38 +776,44 @@ template <typename E> static void *lin_head_kernel_for(int cpl) {
     return cpl >= 1 && cpl <= LIN_HEAD_MAX_CPL ? kernels[cpl - 1] : NULL;
 }
 
-/* The MMA kernel's loads in flight for chunks_per_warp chunks a warp: the
- * smallest size that loads them all before griddepcontrol.wait, else 8 in
- * a loop. fit_off: the two older sizes only. */
-static int lin_unroll_for(int chunks_per_warp, bool fit_off) {
-    if (!fit_off && chunks_per_warp <= LIN_UNROLL_MMA_SHORT) return LIN_UNROLL_MMA_SHORT;
-    if (chunks_per_warp <= LIN_UNROLL_MMA) return LIN_UNROLL_MMA;
-    if (!fit_off && chunks_per_warp <= LIN_UNROLL_MMA_FIT_LONG) return LIN_UNROLL_MMA_FIT_LONG;
-    return chunks_per_warp <= LIN_UNROLL_MMA_LONG ? LIN_UNROLL_MMA_LONG : LIN_UNROLL_MMA;
-}
-
+/* The MMA kernel's sizes (loads in flight a lane), smallest first; a call
+ * takes lin_size_for's index into it. */
 static const int lin_unrolls[] = {LIN_UNROLL_MMA_SHORT, LIN_UNROLL_MMA, LIN_UNROLL_MMA_FIT_LONG,
                                   LIN_UNROLL_MMA_LONG};
+#define LIN_SIZES ((int)(sizeof lin_unrolls / sizeof *lin_unrolls))
+#define LIN_SIZE_LOOP 1 /* LIN_UNROLL_MMA: also the size that loops */
 
-template <typename E, int NTILE> static void *lin_kernel(bool mma, int unroll) {
-    if constexpr (sizeof(E) == 2)
-        if (mma)
-            return unroll == LIN_UNROLL_MMA_SHORT
-                       ? (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA_SHORT>
-                   : unroll == LIN_UNROLL_MMA_FIT_LONG
-                       ? (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA_FIT_LONG>
-                   : unroll == LIN_UNROLL_MMA_LONG
-                       ? (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA_LONG>
-                       : (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA>;
-    (void)unroll;
+/* For chunks_per_warp chunks a warp: the smallest size that loads them all
+ * before griddepcontrol.wait, else 8 loads in a loop. fit_off: the two
+ * older sizes only. Any size gives the same result (the chunks are added
+ * in the same order); only how much is loaded before the wait differs. */
+static int lin_size_for(int chunks_per_warp, bool fit_off) {
+    for (int i = 0; i < LIN_SIZES; i++) {
+        const int u = lin_unrolls[i];
+        const bool fit_size = u == LIN_UNROLL_MMA_SHORT || u == LIN_UNROLL_MMA_FIT_LONG;
+        if (chunks_per_warp <= u && !(fit_off && fit_size)) return i;
+    }
+    return LIN_SIZE_LOOP;
+}
+
+template <typename E, int NTILE> static void *lin_kernel(bool mma, int size) {
+    if constexpr (sizeof(E) == 2) {
+        void *const sizes[LIN_SIZES] = {
+            (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA_SHORT>,
+            (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA>,
+            (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA_FIT_LONG>,
+            (void *)linear_mma_kernel<E, NTILE, LIN_UNROLL_MMA_LONG>};
+        if (mma) return sizes[size];
+    }
+    (void)size;
     return (void *)linear_simt_kernel<E, NTILE>;
 }
 
-static void *lin_kernel_for(pd_dtype dt, bool mma, int ntile, int unroll) {
+static void *lin_kernel_for(pd_dtype dt, bool mma, int ntile, int size) {
     CUDA_DISPATCH(dt, E,
-                  return ntile == 4   ? lin_kernel<E, 4>(mma, unroll)
-                         : ntile == 2 ? lin_kernel<E, 2>(mma, unroll)
-                                      : lin_kernel<E, 1>(mma, unroll))
+                  return ntile == 4   ? lin_kernel<E, 4>(mma, size)
+                         : ntile == 2 ? lin_kernel<E, 2>(mma, size)
+                                      : lin_kernel<E, 1>(mma, size))
     return NULL;
 }
 
@@ -850,8 +856,8 @@ cudaError_t cuda_linear_init(cuda_linear_env *env, int device) {
     for (int d = 0; d < 3; d++)
         for (int mma = 0; mma < 2; mma++)
             for (int ntile = 1; ntile <= 4; ntile *= 2)
-                for (int u = 0; u < (int)(sizeof lin_unrolls / sizeof *lin_unrolls); u++) {
-                    void *k = lin_kernel_for(dts[d], mma, ntile, lin_unrolls[u]);
+                for (int size = 0; size < LIN_SIZES; size++) {
+                    void *k = lin_kernel_for(dts[d], mma, ntile, size);
                     e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              (int)env->smem_max);
                     if (e == cudaSuccess) e = cuda_set_carveout(k);
@@ -917,8 +923,9 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
      * 1,571 tile blocks) in one pass, each block staging and normalising x
      * once instead of once per tile block. */
     const int chunks_per_warp = ((p.in + 31) / 32 + LIN_WARPS / ntile - 1) / (LIN_WARPS / ntile);
-    const int unroll = lin_unroll_for(chunks_per_warp, env->fit_off);
-    const int resident = mma ? (unroll > LIN_UNROLL_MMA ? 2 : 3) * env->sm_count : p.n_vblocks;
+    const int size = lin_size_for(chunks_per_warp, env->fit_off);
+    const int resident =
+        mma ? (lin_unrolls[size] > LIN_UNROLL_MMA ? 2 : 3) * env->sm_count : p.n_vblocks;
     const unsigned blocks = (unsigned)(p.n_vblocks < resident ? p.n_vblocks : resident);
     /* The argmax rides in the MMA kernel; the FMA kernel's rows get the
      * argmax op after it. */
@@ -929,7 +936,7 @@ static bool lin_small(cuda_linear_env *env, pd_dtype dt, const lin_params &base)
         p.argmax = NULL, p.argmax_copy = NULL;
     }
     p.am_v = env->am_v, p.am_i = env->am_i, p.am_counter = env->am_counter;
-    void *k = lin_kernel_for(dt, mma, ntile, unroll);
+    void *k = lin_kernel_for(dt, mma, ntile, size);
     void *args[] = {&p};
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg =
