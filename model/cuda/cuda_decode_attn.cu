@@ -321,13 +321,12 @@ __global__ void decode_part_kernel(float *part_o, float *part_ml, int *counters,
     for (int part_i = blockIdx.y; part_i * DEC_PART < n_ctx; part_i += slots) {
         const int p0 = part_i * DEC_PART, p1 = min(n_ctx, p0 + DEC_PART);
         if (has_token && p1 == n_ctx) { /* this part holds the token itself: its k, v first */
-            const int32_t slot = tok_slot;
             /* With the part prefetched, the new row also goes where its
              * neighbours are (saving the part two reads of it from L2). */
             T *staged = pre.on ? (T *)pre.kv + (size_t)(n_ctx - 1 - p0) * head_dim : NULL;
             if (d < head_dim) {
-                if (slot >= 0) {
-                    const size_t at = (size_t)slot * row + (size_t)h * head_dim + d;
+                if (tok_slot >= 0) {
+                    const size_t at = (size_t)tok_slot * row + (size_t)h * head_dim + d;
                     k_cache[at] = kd;
                     v_cache[at] = vd;
                 }

@@ -322,7 +322,7 @@ typedef struct cuda_linear_env {
     /* PDSERVE_CUDA_LIN_FIT=0: the MMA kernel's two older register sizes
      * only (8 loads in flight at 80 registers, 16 at 128), for A/B timing
      * of the sizes that let consecutive linears share an SM (see
-     * lin_unroll_for in cuda_linear.cu). */
+     * lin_size_for in cuda_linear.cu). */
     bool fit_off;
     /* PDSERVE_CUDA_SMALL=0: every linear takes the large (cuBLASLt) path, to
      * see whether HF's near-tie continuations follow cuBLAS's summation. */
