@@ -796,9 +796,16 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     scheduler_config sc = {cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->enable_prefix_caching,
                            e->max_model_len};
     if (scheduler_create(&sc, e->pool, e->conn, &e->work, &e->sched, err) != 0) goto fail;
-    pd_log(PD_LOG_INFO, "engine: %s on %s, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s",
-           pd_dtype_name(e->be->dtype), e->be->name, e->max_model_len,
-           cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->enable_prefix_caching ? "on" : "off");
+    /* Async scheduling never queues a step that saves or loads KV. */
+    const char *async = !cfg->async_scheduling ? "off"
+                        : e->conn              ? "off (KV connector: steps run one at a time)"
+                                               : "on";
+    pd_log(PD_LOG_INFO,
+           "engine: %s on %s, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix "
+           "caching %s, "
+           "async scheduling %s",
+           pd_dtype_name(e->be->dtype), e->be->name, e->max_model_len, cfg->max_num_seqs,
+           cfg->max_num_batched_tokens, cfg->enable_prefix_caching ? "on" : "off", async);
     engine_publish_stats(e);
     if (pthread_create(&e->thread, NULL, engine_loop, e) != 0) {
         pd_fail(err, "cannot start the engine thread");

@@ -56,8 +56,9 @@ static const cli_option serve_table[] = {
     {"log-level", CLI_STR, O(log_level), "info", 1, 0, "debug, info, warning, error"},
     {"enforce-eager", CLI_BOOL, O(enforce_eager), "false", 1, 0,
      "no CUDA graphs for decode steps (the CPU is always eager)"},
-    {"async-scheduling", CLI_BOOL, O(async_scheduling), "false", 1, 0,
-     "queue the next decode step before reading this one's tokens (GPU: the host's work overlaps the GPU's)"},
+    {"async-scheduling", CLI_BOOL, O(async_scheduling), "true", 1, 0,
+     "queue the next decode step before reading this one's tokens, so the host's work overlaps the "
+     "GPU's (on by default, as in vLLM; --no-async-scheduling runs one step at a time)"},
     {"host-sampling", CLI_BOOL, O(host_sampling), "false", 1, 0,
      "GPU: copy logits to the host and draw there instead of on the GPU"},
     {"help", CLI_BOOL, O(help), "false", 1, 0, "show this help"},
