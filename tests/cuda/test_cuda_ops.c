@@ -1041,21 +1041,44 @@ static void test_sampling(const pair *p) {
         free(work);
 }
 
-/* The LM head's cases with PDSERVE_CUDA_HEAD=route, read when the backend
- * is created: every route kept for A/B timing is checked too. */
+/* A CPU and a GPU backend, the GPU one created with the environment
+ * variable name=value (the CUDA backend reads its PDSERVE_CUDA_* switches
+ * when it is created); false when either could not be made. */
+static bool pair_open_with(pair *p, const char *name, const char *value) {
+    pd_err err;
+    setenv(name, value, 1);
+    CHECKF(pd_backend_create("cpu", 0, &p->cpu, &err) == 0, "%s", err.msg);
+    CHECKF(pd_backend_create(p->variant, 0, &p->gpu, &err) == 0, "%s (%s=%s): %s", p->variant, name,
+           value, err.msg);
+    unsetenv(name);
+    return p->cpu && p->gpu;
+}
+
+static void pair_close(pair *p) {
+    pd_backend_destroy(p->gpu);
+    pd_backend_destroy(p->cpu);
+}
+
+/* The LM head's cases with PDSERVE_CUDA_HEAD=route: every route kept for
+ * A/B timing is checked too. */
 static void run_head_route(const char *variant, double tol, const char *route) {
     pair p = {.variant = variant, .tol = tol};
-    pd_err err;
-    setenv("PDSERVE_CUDA_HEAD", route, 1);
-    CHECKF(pd_backend_create("cpu", 0, &p.cpu, &err) == 0, "%s", err.msg);
-    CHECKF(pd_backend_create(variant, 0, &p.gpu, &err) == 0, "%s: %s", variant, err.msg);
-    unsetenv("PDSERVE_CUDA_HEAD");
-    if (p.cpu && p.gpu) {
+    if (pair_open_with(&p, "PDSERVE_CUDA_HEAD", route)) {
         test_linear_heads(&p);
         test_linear_argmax(&p);
     }
-    pd_backend_destroy(p.gpu);
-    pd_backend_destroy(p.cpu);
+    pair_close(&p);
+}
+
+/* The linear's cases with PDSERVE_CUDA_LIN_FIT=0: the small-T kernel's
+ * older register sizes, kept for A/B timing, are checked like the default. */
+static void run_lin_fit_off(const char *variant, double tol) {
+    pair p = {.variant = variant, .tol = tol};
+    if (pair_open_with(&p, "PDSERVE_CUDA_LIN_FIT", "0")) {
+        test_linear(&p);
+        test_linear_embed(&p);
+    }
+    pair_close(&p);
 }
 
 static void run_variant(const char *variant, double tol) {
@@ -1101,6 +1124,8 @@ int main(void) {
         run_head_route("cuda-fp16", 1e-2, routes[r]);
         run_head_route("cuda-bf16", 4e-2, routes[r]);
     }
+    run_lin_fit_off("cuda-fp16", 1e-2);
+    run_lin_fit_off("cuda-bf16", 4e-2);
     time_linear("cuda");
     time_linear("cuda-fp16");
     time_linear("cuda-bf16");
