@@ -776,6 +776,10 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     if (cfg->kv_transfer &&
         kv_connector_create(cfg->kv_transfer, e->model, e->kv, e->be, cfg->http_port, &e->conn, err) != 0)
         goto fail;
+    /* Async scheduling never queues a step that saves or loads KV, so an
+     * instance with a connector neither queues steps nor records the
+     * variants that queued steps replay. */
+    const bool queue_steps = cfg->async_scheduling && !e->conn;
     /* Decode steps of up to max_num_seqs sequences replay recorded graphs
      * (beyond 512 they run eagerly; vLLM's default capture limit is 512 too). */
     const int graph_batch = cfg->max_num_seqs < 512 ? cfg->max_num_seqs : 512;
@@ -786,7 +790,7 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
          * shape), which would otherwise land on live requests. */
         const double t_rec = pd_now();
         int recorded = 0;
-        if (opt_model_record_graphs(e->model, e->kv, cfg->async_scheduling, &recorded, err) != 0) {
+        if (opt_model_record_graphs(e->model, e->kv, queue_steps, &recorded, err) != 0) {
             pd_wrap(err, "recording decode graphs (--enforce-eager runs without them)");
             goto fail;
         }
@@ -796,10 +800,9 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     scheduler_config sc = {cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->enable_prefix_caching,
                            e->max_model_len};
     if (scheduler_create(&sc, e->pool, e->conn, &e->work, &e->sched, err) != 0) goto fail;
-    /* Async scheduling never queues a step that saves or loads KV. */
-    const char *async = !cfg->async_scheduling ? "off"
-                        : e->conn              ? "off (KV connector: steps run one at a time)"
-                                               : "on";
+    const char *async = queue_steps             ? "on"
+                        : cfg->async_scheduling ? "off (KV connector: steps run one at a time)"
+                                                : "off";
     pd_log(PD_LOG_INFO,
            "engine: %s on %s, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix "
            "caching %s, "
