@@ -258,6 +258,9 @@ test('metrics count exactly one request', async () => {
   assert.equal(d('vllm:e2e_request_latency_seconds_count'), 1);
   assert.equal(d('vllm:request_generation_tokens_sum'), 7);
   assert.equal(d('vllm:inter_token_latency_seconds_count'), 6);
+  // Async scheduling is on by default: a greedy request's later steps were
+  // queued while the step before still ran.
+  assert.ok(d('pdserve:engine_steps_ahead_total') > 0, 'no step was queued ahead under the default flags');
 });
 
 test('error codes: 400, 404, 405, 413, and the server keeps serving', async () => {
