@@ -245,8 +245,8 @@ static int bench_device(const bench_opts *o, const char *model_arg) {
     /* The same decode with every step queued before the host reads the one
      * before it, its token the earlier step's pick read on the device (the
      * model layer's async scheduling, which the server's engine uses by
-     * default). It
-     * rewrites the KV of the positions above with other tokens. */
+     * default). It rewrites the KV of the positions above with other
+     * tokens. */
     double t_ahead = 0;
     if (o->decode_ahead && o->decode_tokens > 1) {
         const int32_t row0 = 0;

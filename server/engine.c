@@ -804,9 +804,8 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
                         : cfg->async_scheduling ? "off (KV connector: steps run one at a time)"
                                                 : "off";
     pd_log(PD_LOG_INFO,
-           "engine: %s on %s, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, prefix "
-           "caching %s, "
-           "async scheduling %s",
+           "engine: %s on %s, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "
+           "prefix caching %s, async scheduling %s",
            pd_dtype_name(e->be->dtype), e->be->name, e->max_model_len, cfg->max_num_seqs,
            cfg->max_num_batched_tokens, cfg->enable_prefix_caching ? "on" : "off", async);
     engine_publish_stats(e);
