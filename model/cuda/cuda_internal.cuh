@@ -131,6 +131,14 @@ __device__ __forceinline__ void cuda_argmax_warp(float &v, int &idx, int n) {
         cuda_argmax_take(v, idx, ov, oi, n);
     }
 }
+/* Store a finished pick (index n, nothing found: a row of NaN, gives 0) at
+ * ids[at], and at ids_copy[at] too unless that is NULL. */
+__device__ __forceinline__ void cuda_argmax_store(int32_t *ids, int32_t *ids_copy, int at, int idx,
+                                                  int n) {
+    const int id = idx < n ? idx : 0;
+    ids[at] = id;
+    if (ids_copy) ids_copy[at] = id;
+}
 
 /* Run the statement(s) with T bound to the C++ type of pd_dtype dt. */
 #define CUDA_DISPATCH(dt, T, ...)                                                                  \

@@ -455,10 +455,7 @@ __device__ void lin_am_finish(const lin_params &p, float best_v, int best_i) {
         cuda_argmax_take(v, idx, __ldcg(&p.am_v[b * LIN_MAX_T + t]),
                          __ldcg(&p.am_i[b * LIN_MAX_T + t]), p.out);
     cuda_argmax_warp(v, idx, p.out);
-    if (lane != 0) return;
-    const int id = idx < p.out ? idx : 0;
-    p.argmax[t] = id;
-    if (p.argmax_copy) p.argmax_copy[t] = id;
+    if (lane == 0) cuda_argmax_store(p.argmax, p.argmax_copy, t, idx, p.out);
 }
 
 /* ---- fp16 / bf16: tensor-core MMA ---- */

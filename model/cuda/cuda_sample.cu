@@ -48,10 +48,7 @@ __global__ void argmax_kernel(int32_t *ids, int32_t *ids_copy, const T *x, int n
     if (warp != 0) return;
     v = warp_v[lane], idx = warp_i[lane]; /* ARGMAX_THREADS / 32 == 32 */
     cuda_argmax_warp(v, idx, n);
-    if (lane != 0) return;
-    const int id = idx < n ? idx : 0;
-    ids[blockIdx.x] = id;
-    if (ids_copy) ids_copy[blockIdx.x] = id;
+    if (lane == 0) cuda_argmax_store(ids, ids_copy, blockIdx.x, idx, n);
 }
 
 /* The split argmax: block (part, row) finds the best of its slice of the
@@ -113,10 +110,7 @@ __global__ void argmax_split_kernel(int32_t *ids, int32_t *ids_copy, const T *x,
         v = __ldcg(&scr.v[warp * CUDA_ARGMAX_PARTS + lane]),
         idx = __ldcg(&scr.i[warp * CUDA_ARGMAX_PARTS + lane]);
     cuda_argmax_warp(v, idx, n);
-    if (lane != 0) return;
-    const int id = idx < n ? idx : 0;
-    ids[warp] = id;
-    if (ids_copy) ids_copy[warp] = id;
+    if (lane == 0) cuda_argmax_store(ids, ids_copy, warp, idx, n);
 }
 
 void cuda_argmax(cudaStream_t s, pd_dtype dt, int32_t *ids, int32_t *ids_copy, const void *x,

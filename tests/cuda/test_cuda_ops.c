@@ -948,7 +948,7 @@ static void test_linear_argmax(const pair *p) {
                 free(a), free(b);
             }
             void *ptrs[] = {dw, dx, db, dlw, dlb, y1, y2, ln_out, d_fused, d_ref, d_copy};
-            for (int k = 0; k < 11; k++)
+            for (size_t k = 0; k < sizeof ptrs / sizeof *ptrs; k++)
                 g->free(g, ptrs[k]);
             free(w), free(x), free(bias), free(lnw), free(lnb);
         }
@@ -1042,15 +1042,16 @@ static void test_sampling(const pair *p) {
 }
 
 /* A CPU and a GPU backend, the GPU one created with the environment
- * variable name=value (the CUDA backend reads its PDSERVE_CUDA_* switches
- * when it is created); false when either could not be made. */
+ * variable name=value unless name is NULL (the CUDA backend reads its
+ * PDSERVE_CUDA_* switches when it is created); false when either could not
+ * be made. */
 static bool pair_open_with(pair *p, const char *name, const char *value) {
     pd_err err;
-    setenv(name, value, 1);
+    if (name) setenv(name, value, 1);
     CHECKF(pd_backend_create("cpu", 0, &p->cpu, &err) == 0, "%s", err.msg);
-    CHECKF(pd_backend_create(p->variant, 0, &p->gpu, &err) == 0, "%s (%s=%s): %s", p->variant, name,
-           value, err.msg);
-    unsetenv(name);
+    CHECKF(pd_backend_create(p->variant, 0, &p->gpu, &err) == 0, "%s (%s=%s): %s", p->variant,
+           name ? name : "defaults", name ? value : "", err.msg);
+    if (name) unsetenv(name);
     return p->cpu && p->gpu;
 }
 
@@ -1083,10 +1084,7 @@ static void run_lin_fit_off(const char *variant, double tol) {
 
 static void run_variant(const char *variant, double tol) {
     pair p = {.variant = variant, .tol = tol};
-    pd_err err;
-    CHECKF(pd_backend_create("cpu", 0, &p.cpu, &err) == 0, "%s", err.msg);
-    CHECKF(pd_backend_create(variant, 0, &p.gpu, &err) == 0, "%s: %s", variant, err.msg);
-    if (p.cpu && p.gpu) {
+    if (pair_open_with(&p, NULL, NULL)) {
         test_gemm(&p);
         test_linear(&p);
         test_linear_heads(&p);
@@ -1099,8 +1097,7 @@ static void run_variant(const char *variant, double tol) {
         test_linear_argmax(&p);
         test_sampling(&p);
     }
-    pd_backend_destroy(p.gpu);
-    pd_backend_destroy(p.cpu);
+    pair_close(&p);
 }
 #endif
 
