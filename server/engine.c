@@ -53,6 +53,9 @@ struct engine {
     kv_block_pool *pool;
     scheduler *sched;
     kv_connector *conn; /* NULL when colocated */
+    /* --async-scheduling and no connector: a step that saves or loads KV is
+     * never queued ahead, so with a connector no step is. */
+    bool queue_steps;
     int max_model_len;
     int vocab;
     int eos_id;
@@ -540,7 +543,7 @@ enum { QUEUE_NO = 0, QUEUE_OK = 1, QUEUE_FAILED = -1 };
  * QUEUE_FAILED: it failed and its sequences were finished. */
 static int engine_queue(engine *e, sched_batch *b, const int32_t *chain) {
     pd_err err = {{0}};
-    if (e->conn || b->n == 0) return QUEUE_NO; /* KV saves and loads stay step by step */
+    if (b->n == 0) return QUEUE_NO;
     for (int i = 0; i < b->n; i++)
         if (!b->steps[i].want_logits) return QUEUE_NO;
     if (engine_reserve_rows(e, b->n, &err) != 0) return QUEUE_NO;
@@ -607,7 +610,7 @@ static void *engine_loop(void *arg) {
                 engine_publish_stats(e);
                 continue;
             }
-            const int q = e->cfg.async_scheduling ? engine_queue(e, &batch, NULL) : QUEUE_NO;
+            const int q = e->queue_steps ? engine_queue(e, &batch, NULL) : QUEUE_NO;
             if (q == QUEUE_NO && batch.n > 0) engine_step(e, &batch);
             queued = q == QUEUE_OK;
         }
@@ -776,10 +779,8 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     if (cfg->kv_transfer &&
         kv_connector_create(cfg->kv_transfer, e->model, e->kv, e->be, cfg->http_port, &e->conn, err) != 0)
         goto fail;
-    /* Async scheduling never queues a step that saves or loads KV, so an
-     * instance with a connector neither queues steps nor records the
-     * variants that queued steps replay. */
-    const bool queue_steps = cfg->async_scheduling && !e->conn;
+    /* An instance that queues no steps records no variants for them. */
+    e->queue_steps = cfg->async_scheduling && !e->conn;
     /* Decode steps of up to max_num_seqs sequences replay recorded graphs
      * (beyond 512 they run eagerly; vLLM's default capture limit is 512 too). */
     const int graph_batch = cfg->max_num_seqs < 512 ? cfg->max_num_seqs : 512;
@@ -790,7 +791,7 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
          * shape), which would otherwise land on live requests. */
         const double t_rec = pd_now();
         int recorded = 0;
-        if (opt_model_record_graphs(e->model, e->kv, queue_steps, &recorded, err) != 0) {
+        if (opt_model_record_graphs(e->model, e->kv, e->queue_steps, &recorded, err) != 0) {
             pd_wrap(err, "recording decode graphs (--enforce-eager runs without them)");
             goto fail;
         }
@@ -800,7 +801,7 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     scheduler_config sc = {cfg->max_num_seqs, cfg->max_num_batched_tokens, cfg->enable_prefix_caching,
                            e->max_model_len};
     if (scheduler_create(&sc, e->pool, e->conn, &e->work, &e->sched, err) != 0) goto fail;
-    const char *async = queue_steps             ? "on"
+    const char *async = e->queue_steps          ? "on"
                         : cfg->async_scheduling ? "off (KV connector: steps run one at a time)"
                                                 : "off";
     pd_log(PD_LOG_INFO,
