@@ -59,6 +59,7 @@ expect_rc 2 "unknown command" "$bin" frobnicate
 # bench-kv: one markdown row per (length, send type); nccl says why it did not run here.
 expect_rc 0 "bench-kv" "$bin" bench-kv --tokens 16,33 --layers 2 --reps 1 --dtype float16 --transport tcp,nccl
 [ "$(grep -c '^| [0-9]* | tcp | host -> host | ' "$tmp/out")" -eq 6 ] && ok || bad "bench-kv rows: $(cat "$tmp/out")"
+grep -Eq '^link, tcp: .*: [0-9.]+ GB/s .*cache-hot.*; [0-9.]+ GB/s .*cache-cold' "$tmp/out" && ok || bad "bench-kv link line: $(cat "$tmp/out")"
 grep -q '^nccl: not run' "$tmp/out" || grep -q '^| 16 | nccl ' "$tmp/out" && ok || bad "bench-kv nccl line: $(cat "$tmp/out")"
 expect_rc 2 "bench-kv bad dtype" "$bin" bench-kv --dtype float8
 grep -q float8 "$tmp/err" && ok || bad "bench-kv dtype message: $(cat "$tmp/err")"
