@@ -4,7 +4,7 @@ Hugging Face transformers, so that its greedy continuations are decisive the
 way a released checkpoint's are.
 
     python3 scripts/make-trained.py SRC_DIR OUT_DIR [--seconds 120] [--steps 2000]
-        [--seq 256] [--batch 32] [--lr 6e-4] [--corpus-mb 24] [--seed 0]
+        [--seq 512] [--batch 16] [--lr 6e-4] [--corpus-mb 12] [--seed 0]
 
 SRC_DIR is a `pdserve make-model` directory: its config.json gives the
 shapes and its GPT-2 vocab.json/merges.txt the tokenizer. OUT_DIR gets the
@@ -44,7 +44,7 @@ def read_corpus(limit_bytes):
     """Concatenated standard-library sources, in sorted path order."""
     root = os.path.dirname(os.__file__)
     paths = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
-    parts, total, used = [], 0, 0
+    parts, total = [], 0
     for p in paths:
         if "site-packages" in p or "dist-packages" in p:
             continue
@@ -55,10 +55,9 @@ def read_corpus(limit_bytes):
             continue
         parts.append(text)
         total += len(text)
-        used += 1
         if total >= limit_bytes:
             break
-    return "\n\n".join(parts), used, root
+    return parts, total, root
 
 
 def main():
@@ -67,11 +66,12 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--seconds", type=float, default=120.0, help="stop training after this long")
     ap.add_argument("--steps", type=int, default=2000, help="stop training after this many steps")
-    ap.add_argument("--seq", type=int, default=256, help="tokens per training window")
-    ap.add_argument("--batch", type=int, default=32, help="windows per step")
+    ap.add_argument("--seq", type=int, default=512,
+                    help="tokens per training window (compare-hf reaches position 264: train past it)")
+    ap.add_argument("--batch", type=int, default=16, help="windows per step")
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--warmup", type=int, default=100)
-    ap.add_argument("--corpus-mb", type=float, default=24.0)
+    ap.add_argument("--corpus-mb", type=float, default=12.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -87,13 +87,19 @@ def main():
             sys.exit("make-trained: %s has no %s (make it with pdserve make-model)" % (args.src, f))
 
     t0 = time.time()
-    text, n_files, root = read_corpus(int(args.corpus_mb * 1e6))
+    files, n_chars, root = read_corpus(int(args.corpus_mb * 1e6))
+    n_files = len(files)
     tok = GPT2TokenizerFast(vocab_file=os.path.join(args.src, "vocab.json"),
                             merges_file=os.path.join(args.src, "merges.txt"))
-    ids = tok(text, return_attention_mask=False)["input_ids"]
+    # A batch call tokenizes the files in parallel; EOS (id 2 in OPT) parts them.
+    config_eos = json.load(open(os.path.join(args.src, "config.json"))).get("eos_token_id", 2)
+    ids = []
+    for piece in tok(files, return_attention_mask=False)["input_ids"]:
+        ids.extend(piece)
+        ids.append(config_eos)
     data = torch.tensor(ids, dtype=torch.long)
     print("corpus: %d files under %s, %.1f MB, %d tokens (tokenized in %.1f s)" %
-          (n_files, root, len(text) / 1e6, len(ids), time.time() - t0), flush=True)
+          (n_files, root, n_chars / 1e6, len(ids), time.time() - t0), flush=True)
     if len(ids) < 4 * (args.seq + 1):
         sys.exit("make-trained: corpus too small (%d tokens)" % len(ids))
 
@@ -106,7 +112,7 @@ def main():
     if args.seq > config.max_position_embeddings:
         sys.exit("make-trained: --seq %d exceeds max_position_embeddings %d" % (args.seq, config.max_position_embeddings))
     dev = torch.device("cuda")
-    model = OPTForCausalLM(config).to(dev)
+    model = OPTForCausalLM(config).float().to(dev)  # fp32 master weights whatever config says
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
