@@ -8,28 +8,26 @@
 #include "server/commands.h"
 
 static void usage(FILE *out) {
-    fprintf(
-        out,
-        "pdserve: a small OPT inference server\n\n"
-        "usage: pdserve COMMAND [MODEL] [options]\n\n"
-        "commands:\n"
-        "  make-model DIR --preset P   write a random-weight OPT model (tiny, tiny-postln,\n"
-        "                              opt-125m, opt-350m, opt-1.3b) in Hugging Face layout\n"
-        "  generate [MODEL] --prompt T offline generation; completion on stdout, timings on "
-        "stderr\n"
-        "  tokenize [MODEL]            text on stdin -> token ids (JSON array) on stdout\n"
-        "  detokenize [MODEL]          token ids (JSON array) on stdin -> text on stdout\n"
-        "  bench-cpu [MODEL]           memory bandwidth, FLOP rate, prefill and decode speed\n"
-        "  bench-throughput [MODEL]    offline engine throughput: N random prompts at once,\n"
-        "                              requests/s and tokens/s (like vLLM's benchmark_throughput)\n"
-        "  bench-kv                    KV transfer speed per transport against the link (loopback "
-        "TCP)\n"
-        "  score [MODEL] --input F     logits and greedy tokens for given token ids (to compare\n"
-        "                              with another implementation: scripts/compare-hf.py)\n"
-        "  serve [MODEL] [flags]       OpenAI-compatible HTTP server (flags as vllm serve)\n\n"
-        "MODEL is a Hugging Face model directory or a hub name (org/name) found in the\n"
-        "local Hugging Face cache; without it the built-in default model is used.\n"
-        "`pdserve COMMAND --help` lists a command's options.\n");
+    fprintf(out,
+            "pdserve: a small OPT inference server\n\n"
+            "usage: pdserve COMMAND [MODEL] [options]\n\n"
+            "commands:\n"
+            "  make-model DIR --preset P   write a random-weight OPT model (tiny, tiny-postln,\n"
+            "                              opt-125m, opt-350m, opt-1.3b) in Hugging Face layout\n"
+            "  generate [MODEL] --prompt T offline generation (completion on stdout, timings\n"
+            "                              on stderr)\n"
+            "  tokenize [MODEL]            text on stdin -> token ids (JSON array) on stdout\n"
+            "  detokenize [MODEL]          token ids (JSON array) on stdin -> text on stdout\n"
+            "  bench-cpu [MODEL]           memory bandwidth, FLOP rate, prefill and decode speed\n"
+            "  bench-throughput [MODEL]    offline engine throughput: N random prompts at once,\n"
+            "                              requests/s and tokens/s (as vLLM's throughput bench)\n"
+            "  bench-kv                    KV transfer speed per transport against the link\n"
+            "  score [MODEL] --input F     logits and greedy tokens for given token ids (compare\n"
+            "                              with another implementation: scripts/compare-hf.py)\n"
+            "  serve [MODEL] [flags]       OpenAI-compatible HTTP server (flags as vllm serve)\n\n"
+            "MODEL is a Hugging Face model directory or a hub name (org/name) found in the\n"
+            "local Hugging Face cache; without it the built-in default model is used.\n"
+            "`pdserve COMMAND --help` lists a command's options.\n");
 }
 
 /* KV received over the tcp data plane arrives as ZMQ frames of megabytes
