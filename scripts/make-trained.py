@@ -153,8 +153,7 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     model.eval()
-    model.half()
-    model.config.torch_dtype = torch.float16
+    model.half()  # save_pretrained records the parameters' dtype in config.json
     model.save_pretrained(args.out, safe_serialization=True)
     for f in TOKENIZER_FILES:
         src = os.path.join(args.src, f)
