@@ -62,22 +62,21 @@ enum { LOOP_WRITE = 1 << 20 };
 
 typedef struct sink_job {
     int fd;
+    char *buf; /* region bytes, already faulted in */
     size_t total, region;
 } sink_job;
 
 static void *sink(void *arg) {
     sink_job *j = arg;
-    char *buf = malloc(j->region);
-    if (buf) memset(buf, 0, j->region); /* fault the pages in before the clock starts */
+    char *buf = j->buf;
     size_t got = 0, off = 0;
-    while (buf && got < j->total) {
+    while (got < j->total) {
         if (off + LOOP_WRITE > j->region) off = 0;
         ssize_t n = recv(j->fd, buf + off, LOOP_WRITE, 0);
         if (n <= 0) break;
         got += (size_t)n;
         off += (size_t)n;
     }
-    free(buf);
     return NULL;
 }
 
@@ -97,14 +96,24 @@ static double loopback_bandwidth(size_t total, size_t region) {
         return 0;
     }
     int ss = accept(ls, NULL, NULL);
-    char *buf = malloc(region);
-    if (buf) memset(buf, 1, region);
-    sink_job j = {ss, total, region};
+    /* Both sides' pages are faulted in before the clock starts. */
+    char *buf = malloc(region), *sink_buf = malloc(region);
+    if (!buf || !sink_buf || ss < 0) {
+        free(buf);
+        free(sink_buf);
+        if (ss >= 0) close(ss);
+        close(cs);
+        close(ls);
+        return 0;
+    }
+    memset(buf, 1, region);
+    memset(sink_buf, 0, region);
+    sink_job j = {ss, sink_buf, total, region};
     pthread_t th;
     pthread_create(&th, NULL, sink, &j);
     double t0 = pd_now();
     size_t sent = 0, off = 0;
-    while (buf && sent < total) {
+    while (sent < total) {
         if (off + LOOP_WRITE > region) off = 0;
         ssize_t n = send(cs, buf + off, LOOP_WRITE, 0);
         if (n <= 0) break;
@@ -114,6 +123,7 @@ static double loopback_bandwidth(size_t total, size_t region) {
     pthread_join(th, NULL);
     double dt = pd_now() - t0;
     free(buf);
+    free(sink_buf);
     close(cs);
     close(ss);
     close(ls);
@@ -256,8 +266,8 @@ static void wait_sends_settled(p2p_engine *prod) {
 
 static const char *send_type_names[] = {"PUT", "PUT_ASYNC", "GET"};
 
-/* All send types for one length on one transport; prints a table row each. */
-/* link[0], link[1]: loopback TCP cache-hot and cache-cold (0: not measured). */
+/* All send types for one length on one transport; prints a table row each.
+ * link[0], link[1]: loopback TCP cache-hot and cache-cold (0: not measured). */
 static int bench_length(const bench_run *br, int tokens, const double link[2], pd_err *err) {
     const bench_kv_opts *o = br->o;
     const size_t nbytes = 2 * (size_t)tokens * o->heads * o->head_dim * br->elem;
@@ -430,9 +440,8 @@ int cmd_bench_kv(int argc, char **argv) {
     }
     const char *no_nccl = want_nccl ? nccl_unavailable() : NULL;
     if (no_nccl) printf("nccl: %s\n", no_nccl);
-    printf(
-        "\n| tokens | transport | path | send_type | MB | best ms | GB/s | of loopback (hot) | of "
-        "loopback (cold) |\n");
+    printf("\n| tokens | transport | path | send_type | MB | best ms | GB/s ");
+    printf("| of loopback (hot) | of loopback (cold) |\n");
     printf("|---|---|---|---|---|---|---|---|---|\n");
     const double no_link[2] = {0, 0}; /* nccl's link is measured by scripts/gpu-link-bw.py */
     bench_run tcp = {&o, P2P_TCP, be, elem, o.dtype}, nccl = {&o, P2P_NCCL, NULL, elem, o.dtype};
