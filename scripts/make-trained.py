@@ -86,24 +86,6 @@ def main():
         if not os.path.exists(os.path.join(args.src, f)):
             sys.exit("make-trained: %s has no %s (make it with pdserve make-model)" % (args.src, f))
 
-    t0 = time.time()
-    files, n_chars, root = read_corpus(int(args.corpus_mb * 1e6))
-    n_files = len(files)
-    tok = GPT2TokenizerFast(vocab_file=os.path.join(args.src, "vocab.json"),
-                            merges_file=os.path.join(args.src, "merges.txt"))
-    # A batch call tokenizes the files in parallel; EOS (id 2 in OPT) parts them.
-    config_eos = json.load(open(os.path.join(args.src, "config.json"))).get("eos_token_id", 2)
-    ids = []
-    for piece in tok(files, return_attention_mask=False)["input_ids"]:
-        ids.extend(piece)
-        ids.append(config_eos)
-    data = torch.tensor(ids, dtype=torch.long)
-    print("corpus: %d files under %s, %.1f MB, %d tokens (tokenized in %.1f s)" %
-          (n_files, root, n_chars / 1e6, len(ids), time.time() - t0), flush=True)
-    if len(ids) < 4 * (args.seq + 1):
-        sys.exit("make-trained: corpus too small (%d tokens)" % len(ids))
-
-    torch.manual_seed(args.seed)
     config = OPTConfig.from_json_file(os.path.join(args.src, "config.json"))
     config.dropout = 0.0
     config.attention_dropout = 0.0
@@ -111,6 +93,25 @@ def main():
     config.layerdrop = 0.0
     if args.seq > config.max_position_embeddings:
         sys.exit("make-trained: --seq %d exceeds max_position_embeddings %d" % (args.seq, config.max_position_embeddings))
+
+    t0 = time.time()
+    files, n_chars, root = read_corpus(int(args.corpus_mb * 1e6))
+    n_files = len(files)
+    tok = GPT2TokenizerFast(vocab_file=os.path.join(args.src, "vocab.json"),
+                            merges_file=os.path.join(args.src, "merges.txt"))
+    # A batch call tokenizes the files in parallel; EOS (id 2 in OPT) parts them.
+    eos = config.eos_token_id if config.eos_token_id is not None else 2
+    ids = []
+    for piece in tok(files, return_attention_mask=False)["input_ids"]:
+        ids.extend(piece)
+        ids.append(eos)
+    data = torch.tensor(ids, dtype=torch.long)
+    print("corpus: %d files under %s, %.1f MB, %d tokens (tokenized in %.1f s)" %
+          (n_files, root, n_chars / 1e6, len(ids), time.time() - t0), flush=True)
+    if len(ids) < 4 * (args.seq + 1):
+        sys.exit("make-trained: corpus too small (%d tokens)" % len(ids))
+
+    torch.manual_seed(args.seed)
     dev = torch.device("cuda")
     model = OPTForCausalLM(config).float().to(dev)  # fp32 master weights whatever config says
     model.train()
