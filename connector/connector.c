@@ -122,6 +122,11 @@ static void pool_destroy(kv_host_pool *pl) {
     pthread_mutex_destroy(&pl->mu);
 }
 
+typedef struct {
+    void *p;
+    size_t cap;
+} dev_scratch;
+
 struct kv_connector {
     kv_transfer_config cfg;
     opt_model *model;
@@ -133,6 +138,10 @@ struct kv_connector {
     char id_prefix[40]; /* random per process: transfer ids are unique per producer */
     uint64_t counter;   /* engine thread only */
     int layers, kv_dim, block_size;
+    /* Backend memory reused by save and load (engine thread only): the slot
+     * mapping and one layer's rows. Kept between requests, grown to the
+     * largest seen, because on the GPU a free waits for the whole device. */
+    dev_scratch slots_buf, rows_buf;
     pthread_mutex_t mu; /* guards stats (read from HTTP threads) */
     kv_connector_stats stats;
 };
@@ -231,6 +240,8 @@ void kv_connector_destroy(kv_connector *c) {
     if (!c) return;
     p2p_destroy(c->p2p); /* first: it gives back every send buffer */
     pool_destroy(&c->pool);
+    if (c->slots_buf.p) c->be->free(c->be, c->slots_buf.p);
+    if (c->rows_buf.p) c->be->free(c->be, c->rows_buf.p);
     pthread_mutex_destroy(&c->mu);
     free(c);
 }
@@ -270,15 +281,25 @@ static void stats_add(kv_connector *c, bool save, bool ok, double seconds) {
 }
 
 /* Device array of cache slots for tokens [0, n) of a block table. */
+/* s's memory with room for need bytes. Every user waits for the backend's
+ * stream before returning, so what was there is no longer read. */
+static void *scratch_reserve(kv_connector *c, dev_scratch *s, size_t need, pd_err *err) {
+    if (need == 0) need = 1;
+    if (s->cap >= need) return s->p;
+    if (s->p) c->be->free(c->be, s->p);
+    s->cap = 0;
+    if (!(s->p = c->be->alloc(c->be, need, err))) return NULL;
+    s->cap = need;
+    return s->p;
+}
+
+/* The cache slot of each of the first n tokens, in the connector's scratch. */
 static int32_t *slots_upload(kv_connector *c, const int32_t *table, int n, pd_err *err) {
     int32_t *host = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
     if (!host) return pd_fail(err, "out of memory"), NULL;
     for (int t = 0; t < n; t++) host[t] = table[t / c->block_size] * c->block_size + t % c->block_size;
-    int32_t *dev = c->be->alloc(c->be, sizeof(int32_t) * (size_t)(n > 0 ? n : 1), err);
-    if (dev && c->be->copy_h2d(c->be, dev, host, sizeof(int32_t) * (size_t)n, err) != 0) {
-        c->be->free(c->be, dev);
-        dev = NULL;
-    }
+    int32_t *dev = scratch_reserve(c, &c->slots_buf, sizeof(int32_t) * (size_t)n, err);
+    if (dev && c->be->copy_h2d(c->be, dev, host, sizeof(int32_t) * (size_t)n, err) != 0) dev = NULL;
     free(host);
     return dev;
 }
@@ -358,7 +379,7 @@ int kv_connector_save(kv_connector *c, const kv_request_params *params, const in
     int32_t *slots = slots_upload(c, block_table, n_tokens, err);
     /* tcp: one device scratch the layers are gathered into in turn, then
      * copied down; nccl: every layer gathered into its own send buffer. */
-    void *dev = slots && !in_place ? c->be->alloc(c->be, nbytes ? nbytes : 1, err) : NULL;
+    void *dev = slots && !in_place ? scratch_reserve(c, &c->rows_buf, nbytes, err) : NULL;
     void **staged = slots && in_place ? calloc((size_t)c->layers, sizeof *staged) : NULL;
     int rc = slots && (in_place ? staged != NULL : dev != NULL) ? 0 : -1;
     if (slots && in_place && !staged) pd_fail(err, "out of memory");
@@ -385,8 +406,6 @@ int kv_connector_save(kv_connector *c, const kv_request_params *params, const in
     for (int l = 0; staged && l < c->layers; l++)
         if (staged[l]) p2p_buffer_free(c->p2p, staged[l]); /* staged, never handed over */
     free(staged);
-    if (dev) c->be->free(c->be, dev);
-    if (slots) c->be->free(c->be, slots);
     double dt = pd_now() - t0;
     stats_add(c, true, rc == 0, dt);
     if (rc != 0) return pd_wrap(err, "sending KV of %s to %s", request_tag, params->remote_kv_addr);
@@ -487,7 +506,7 @@ int kv_connector_load_apply(kv_connector *c, kv_load *l, const int32_t *block_ta
     for (int i = 0; i < c->layers; i++)
         if (!l->tensors[i]->on_device && l->tensors[i]->nbytes > stage_bytes)
             stage_bytes = l->tensors[i]->nbytes;
-    void *stage = stage_bytes ? c->be->alloc(c->be, stage_bytes, err) : NULL;
+    void *stage = stage_bytes ? scratch_reserve(c, &c->rows_buf, stage_bytes, err) : NULL;
     int rc = stage_bytes && !stage ? -1 : 0;
     for (int i = 0; i < c->layers && rc == 0; i++) {
         p2p_tensor *t = l->tensors[i];
@@ -510,8 +529,6 @@ int kv_connector_load_apply(kv_connector *c, kv_load *l, const int32_t *block_ta
         rc = -1;
         if (err) *err = sync_err;
     }
-    if (stage) c->be->free(c->be, stage);
-    c->be->free(c->be, slots);
     if (rc != 0) return pd_wrap(err, "writing received KV into the cache");
     l->applied = true;
     double now = pd_now();
