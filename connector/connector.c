@@ -171,8 +171,9 @@ static void default_ip(char *out, size_t cap) {
     freeifaddrs(ifs);
 }
 
-int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_storage *kv, pd_backend *be,
-                        int http_port, kv_connector **out, pd_err *err) {
+int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_storage *kv,
+                        pd_backend *be, int http_port, void (*on_kv_arrival)(void *ctx), void *ctx,
+                        kv_connector **out, pd_err *err) {
     (void)http_port;
     *out = NULL;
     kv_connector *c = calloc(1, sizeof *c);
@@ -223,6 +224,8 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
         .host_alloc = pool_get,
         .host_free = pool_put,
         .host_ctx = &c->pool,
+        .on_arrival = on_kv_arrival,
+        .arrival_ctx = ctx,
     };
     if (p2p_create(&pc, &c->p2p, err) != 0) {
         pd_wrap(err, "kv connector");

@@ -83,9 +83,13 @@ typedef struct kv_connector kv_connector;
 /* Create the connector for a loaded model and its KV storage: starts the
  * transfer engine (binds kv_ip:kv_port) and, with proxy_ip set, the
  * discovery announcer. http_port: the server's --port (advertised when the
- * config has no http_port). */
-int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_storage *kv, pd_backend *be,
-                        int http_port, kv_connector **out, pd_err *err);
+ * config has no http_port). on_kv_arrival (may be NULL) is called with ctx
+ * from the transfer engine's thread whenever received KV became ready to
+ * take or failed: a consumer's engine wakes up for kv_connector_load_poll
+ * then instead of on a timer. It must not block or call the connector. */
+int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_storage *kv,
+                        pd_backend *be, int http_port, void (*on_kv_arrival)(void *ctx), void *ctx,
+                        kv_connector **out, pd_err *err);
 void kv_connector_destroy(kv_connector *c);
 const kv_transfer_config *kv_connector_config(const kv_connector *c);
 const char *kv_connector_address(const kv_connector *c);

@@ -143,6 +143,7 @@ struct p2p_engine {
     pthread_mutex_t mu;
     pthread_cond_t cv; /* an op finished / a waiter left */
     bool stopping;
+    bool arrived; /* a tensor became ready or failed since cfg.on_arrival last ran */
     int waiters; /* callers blocked in p2p_put */
 
     p2p_op *ops;

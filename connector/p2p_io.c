@@ -73,6 +73,7 @@ void p2p_rx_fail(p2p_engine *e, const char *id, const char *peer, const pd_err *
     if (peer && peer != rx->peer) snprintf(rx->peer, sizeof rx->peer, "%s", peer);
     rx->state = RX_FAILED;
     rx->err = *why;
+    e->arrived = true;
     rx->expires = pd_now() + 2 * e->timeout_s;
     e->stats.recvs_failed++;
 }
@@ -126,6 +127,7 @@ void p2p_rx_ready(p2p_engine *e, p2p_rx *rx, p2p_rx_tensor *t, double t_start) {
     double dt = pd_now() - t_start;
     rx->state = RX_READY;
     rx->tensor = t;
+    e->arrived = true;
     rx->meta.nbytes = t->pub.nbytes;
     e->buffered += t->pub.nbytes - rx->counted; /* a reservation becomes the tensor's bytes */
     rx->counted = t->pub.nbytes;
@@ -458,7 +460,12 @@ void *p2p_io_main(void *arg) {
             items[k++] = (zmq_pollitem_t){.socket = p->dealer, .events = ZMQ_POLLIN};
         }
         long timeout = poll_timeout_ms(e, pd_now());
+        const bool tell = e->arrived && e->cfg.on_arrival;
+        e->arrived = false;
         pthread_mutex_unlock(&e->mu);
+        /* Outside the lock: the callee may take its own (p2p calls made
+         * under that lock then cannot deadlock with this thread). */
+        if (tell) e->cfg.on_arrival(e->cfg.arrival_ctx);
         int rc = zmq_poll(items, (int)k, timeout);
         pthread_mutex_lock(&e->mu);
         if (rc < 0) {

@@ -65,6 +65,7 @@ struct engine {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool stopping;
+    uint64_t kv_arrivals; /* times the connector said received KV is ready (or failed) */
     engine_seq *inbox_head, *inbox_tail; /* linked through seq->next */
     int n_inbox;
     engine_stats stats; /* copy published after each step, under mu */
@@ -597,6 +598,7 @@ static void *engine_loop(void *arg) {
         while (!queued && !e->stopping && !e->inbox_head && !scheduler_has_work(e->sched))
             pthread_cond_wait(&e->cv, &e->mu);
         bool stop = e->stopping;
+        const uint64_t arrivals_seen = e->kv_arrivals; /* read before polling the connector */
         engine_seq *list = e->inbox_head;
         e->inbox_head = e->inbox_tail = NULL;
         e->n_inbox = 0;
@@ -626,13 +628,15 @@ static void *engine_loop(void *arg) {
         }
         engine_publish_stats(e);
         if (!queued && batch.n == 0 && remote_pending > 0) {
-            /* Only requests waiting for remote KV: look again in a moment
-             * (or as soon as a new request arrives). */
+            /* Only requests waiting for remote KV: look again when the
+             * connector says more arrived, a new request comes, or in 10 ms
+             * at the latest (for the transfer deadline). An arrival since
+             * the poll above means no wait at all. */
             pthread_mutex_lock(&e->mu);
-            if (!e->inbox_head && !e->stopping) {
+            if (!e->inbox_head && !e->stopping && e->kv_arrivals == arrivals_seen) {
                 struct timespec ts;
                 clock_gettime(CLOCK_REALTIME, &ts);
-                ts.tv_nsec += 1000000L;
+                ts.tv_nsec += 10000000L;
                 if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
                 pthread_cond_timedwait(&e->cv, &e->mu, &ts);
             }
@@ -702,6 +706,16 @@ out:
     free(tokens);
     free(tables);
     return rc;
+}
+
+/* The connector's transfer thread: received KV is ready to take (or failed).
+ * Wakes the engine thread if it is waiting for remote KV. */
+static void engine_kv_arrived(void *ctx) {
+    engine *e = ctx;
+    pthread_mutex_lock(&e->mu);
+    e->kv_arrivals++;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
 }
 
 /* Size the KV cache (kv_sizing.h). On a device with mem_info this loads the
@@ -777,7 +791,8 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     kv_sizing_describe(&ks, bs, e->max_model_len, kv_line, sizeof kv_line);
     pd_log(PD_LOG_INFO, "%s", kv_line);
     if (cfg->kv_transfer &&
-        kv_connector_create(cfg->kv_transfer, e->model, e->kv, e->be, cfg->http_port, &e->conn, err) != 0)
+        kv_connector_create(cfg->kv_transfer, e->model, e->kv, e->be, cfg->http_port,
+                            engine_kv_arrived, e, &e->conn, err) != 0)
         goto fail;
     /* An instance that queues no steps records no variants for them. */
     e->queue_steps = cfg->async_scheduling && !e->conn;

@@ -657,6 +657,94 @@ static void test_config(void) {
     p2p_destroy(e);
 }
 
+/* cfg.on_arrival: told after a tensor became ready (PUT, GET) or failed,
+ * from the I/O thread without the engine's lock (the hook reads p2p_stats,
+ * which takes it: a hook called under the lock would hang here). */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int calls;
+    uint64_t recvs_seen; /* recvs_ok + recvs_failed as the last call saw them */
+    p2p_engine *e;
+} arrival_log;
+
+static void on_arrival(void *ctx) {
+    arrival_log *a = ctx;
+    p2p_stats s;
+    p2p_stats_get(a->e, &s);
+    pthread_mutex_lock(&a->mu);
+    a->calls++;
+    a->recvs_seen = s.recvs_ok + s.recvs_failed;
+    pthread_cond_signal(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+}
+
+/* Waits until the hook saw at least `recvs` receives; false after 5 s. */
+static bool arrival_wait(arrival_log *a, uint64_t recvs) {
+    double end = pd_now() + 5;
+    pthread_mutex_lock(&a->mu);
+    while (a->recvs_seen < recvs && pd_now() < end) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 10 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&a->cv, &a->mu, &ts);
+    }
+    bool ok = a->recvs_seen >= recvs;
+    pthread_mutex_unlock(&a->mu);
+    return ok;
+}
+
+static void test_arrival_hook(void) {
+    arrival_log a = {.calls = 0};
+    pthread_mutex_init(&a.mu, NULL);
+    pthread_cond_init(&a.cv, NULL);
+    p2p_config cfg = {.kv_ip = "127.0.0.1",
+                      .kv_buffer_size = 1e9,
+                      .transport = P2P_TCP,
+                      .timeout_s = 10,
+                      .fingerprint = "opt test fp",
+                      .on_arrival = on_arrival,
+                      .arrival_ctx = &a};
+    p2p_engine *P = mk(1e9, 10, NULL), *D = NULL;
+    pd_err err;
+    pthread_mutex_lock(&a.mu); /* a.e is read by the hook */
+    int rc = p2p_create(&cfg, &D, &err);
+    a.e = D;
+    pthread_mutex_unlock(&a.mu);
+    CHECKF(P && rc == 0, "p2p_create: %s", rc ? err.msg : "");
+    if (!P || rc != 0) goto out;
+    int64_t shape[1] = {1000};
+    p2p_tensor *t = NULL;
+    /* PUT_ASYNC: once told, the tensor is there to take (no waiting). */
+    CHECK(p2p_put_async(P, p2p_address(D), "hook-put", "uint8", 1, shape,
+                        make_data("hook-put", 1000), 1000, 0, &err) == 0);
+    CHECK(arrival_wait(&a, 1));
+    CHECK(p2p_take(D, "hook-put", &t, &err) == 1 && holds(t, "hook-put", 1000));
+    p2p_tensor_free(D, t);
+    /* GET: the pulled tensor is announced the same way. */
+    CHECK(p2p_offer(P, "hook-get", "uint8", 1, shape, make_data("hook-get", 1000), 1000, 0, &err) ==
+          0);
+    CHECK(p2p_fetch(D, p2p_address(P), "hook-get", 0, &err) == 0);
+    CHECK(arrival_wait(&a, 2));
+    t = NULL;
+    CHECK(p2p_take(D, "hook-get", &t, &err) == 1 && holds(t, "hook-get", 1000));
+    p2p_tensor_free(D, t);
+    /* A pull that fails ("not found") is announced too, and take reports it. */
+    CHECK(p2p_fetch(D, p2p_address(P), "hook-missing", 0, &err) == 0);
+    CHECK(arrival_wait(&a, 3));
+    t = NULL;
+    CHECK(p2p_take(D, "hook-missing", &t, &err) == -1 && strstr(err.msg, "not found"));
+    pthread_mutex_lock(&a.mu);
+    CHECKF(a.calls >= 3, "hook called %d times", a.calls);
+    pthread_mutex_unlock(&a.mu);
+out:
+    p2p_destroy(P);
+    p2p_destroy(D);
+    pthread_cond_destroy(&a.cv);
+    pthread_mutex_destroy(&a.mu);
+}
+
 int main(void) {
     pd_log_set_level(PD_LOG_ERROR);
     if (getenv("P2P_TEST_DEBUG")) pd_log_set_level(PD_LOG_DEBUG);
@@ -672,5 +760,6 @@ int main(void) {
     test_fingerprint();
     test_destroy_in_flight();
     test_garbage();
+    test_arrival_hook();
     return test_finish();
 }
