@@ -48,10 +48,10 @@ typedef struct p2p_config {
     void *(*host_alloc)(void *ctx, size_t nbytes);
     void (*host_free)(void *ctx, void *p);
     void *host_ctx;
-    /* Addition: called on the engine's I/O thread, with no lock of the
-     * engine's held, after received tensors became ready to take or failed,
-     * so a consumer waiting for them can look at once instead of on a timer.
-     * It must not block. NULL: nobody is told. */
+    /* Addition: called on this transfer engine's I/O thread, with its mutex
+     * released, after received tensors became ready to take or failed, so a
+     * consumer waiting for them can look at once instead of on a timer. It
+     * must not block. NULL: nobody is told. */
     void (*on_arrival)(void *ctx);
     void *arrival_ctx;
 } p2p_config;
