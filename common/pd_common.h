@@ -48,6 +48,11 @@ int pd_mkdirs(const char *path, pd_err *err);
 /* Monotonic clock in seconds. */
 double pd_now(void);
 
+struct timespec;
+/* *ts = the wall clock (CLOCK_REALTIME) ms milliseconds from now: the
+ * absolute deadline pthread_cond_timedwait takes. */
+void pd_realtime_after_ms(struct timespec *ts, long ms);
+
 /* Number of online CPU cores (at least 1). */
 int pd_num_cpus(void);
 

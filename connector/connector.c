@@ -283,7 +283,6 @@ static void stats_add(kv_connector *c, bool save, bool ok, double seconds) {
     pthread_mutex_unlock(&c->mu);
 }
 
-/* Device array of cache slots for tokens [0, n) of a block table. */
 /* s's memory with room for need bytes. Every user waits for the backend's
  * stream before returning, so what was there is no longer read. */
 static void *scratch_reserve(kv_connector *c, dev_scratch *s, size_t need, pd_err *err) {

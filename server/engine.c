@@ -117,13 +117,7 @@ int engine_seq_wait(engine_seq *s, int known, int timeout_ms) {
     pthread_mutex_lock(&s->mu);
     if (s->n_pub <= known && s->finish == FINISH_NONE && timeout_ms > 0) {
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_sec += timeout_ms / 1000;
-        ts.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        pd_realtime_after_ms(&ts, timeout_ms);
         while (s->n_pub <= known && s->finish == FINISH_NONE)
             if (pthread_cond_timedwait(&s->cv, &s->mu, &ts) != 0) break;
     }
@@ -635,9 +629,7 @@ static void *engine_loop(void *arg) {
             pthread_mutex_lock(&e->mu);
             if (!e->inbox_head && !e->stopping && e->kv_arrivals == arrivals_seen) {
                 struct timespec ts;
-                clock_gettime(CLOCK_REALTIME, &ts);
-                ts.tv_nsec += 10000000L;
-                if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+                pd_realtime_after_ms(&ts, 10);
                 pthread_cond_timedwait(&e->cv, &e->mu, &ts);
             }
             pthread_mutex_unlock(&e->mu);

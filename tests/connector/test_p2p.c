@@ -685,9 +685,7 @@ static bool arrival_wait(arrival_log *a, uint64_t recvs) {
     pthread_mutex_lock(&a->mu);
     while (a->recvs_seen < recvs && pd_now() < end) {
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 10 * 1000 * 1000;
-        if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+        pd_realtime_after_ms(&ts, 10);
         pthread_cond_timedwait(&a->cv, &a->mu, &ts);
     }
     bool ok = a->recvs_seen >= recvs;
