@@ -77,7 +77,11 @@ def main():
 
     try:
         import torch
-        from transformers import GPT2TokenizerFast, OPTConfig, OPTForCausalLM
+        from transformers import OPTConfig, OPTForCausalLM
+        try:  # transformers 4 has a slow and a fast class; 5 keeps one (the fast one)
+            from transformers import GPT2TokenizerFast as GPT2Tok
+        except ImportError:
+            from transformers import GPT2Tokenizer as GPT2Tok
     except ImportError as e:
         sys.exit("make-trained: needs torch and transformers (%s)" % e)
     if not torch.cuda.is_available():
@@ -97,8 +101,7 @@ def main():
     t0 = time.time()
     files, n_chars, root = read_corpus(int(args.corpus_mb * 1e6))
     n_files = len(files)
-    tok = GPT2TokenizerFast(vocab_file=os.path.join(args.src, "vocab.json"),
-                            merges_file=os.path.join(args.src, "merges.txt"))
+    tok = GPT2Tok.from_pretrained(args.src)
     # A batch call tokenizes the files in parallel; EOS (id 2 in OPT) parts them.
     eos = config.eos_token_id if config.eos_token_id is not None else 2
     ids = []
@@ -155,7 +158,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     model.eval()
     model.half()  # save_pretrained records the parameters' dtype in config.json
-    model.save_pretrained(args.out, safe_serialization=True)
+    model.save_pretrained(args.out)  # safetensors: the default since transformers 4.35
     for f in TOKENIZER_FILES:
         src = os.path.join(args.src, f)
         if os.path.exists(src):
