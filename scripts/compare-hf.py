@@ -224,6 +224,12 @@ class HFReference:
         return {"rows": rows.cpu().numpy(), "greedy": greedy, "step_rows": steps}
 
 
+    def logits(self, ids):
+        """Every position's logits of one prompt, as float32 rows."""
+        torch = self.torch
+        x = torch.tensor([ids], device=self.device)
+        return self.model(input_ids=x, attention_mask=torch.ones_like(x)).logits[0].float().cpu().numpy()
+
     def run_all(self, prompts, tokens, tol):
         """All prompts in one left-padded batch: one forward for every
         position's logits, then `tokens` batched greedy steps, with explicit
@@ -336,6 +342,10 @@ def main():
                     help="also run HF with attn_implementation IMPL (e.g. eager), one prompt at a time, and "
                          "report how often its continuations agree with the reference's: how far a legitimate "
                          "change of attention arithmetic alone moves them")
+    ap.add_argument("--fp32-check", action="store_true",
+                    help="also run HF in fp32 on the same weights and report how far pdserve's and the "
+                         "reference's 16-bit logits each are from it (which side of a logit difference the "
+                         "rounding is on)")
     ap.add_argument("--json", default=None, help="write a summary JSON here")
     a = ap.parse_args()
 
@@ -385,6 +395,10 @@ def compare(a, binary, cfg, name, tol, work):
     identical, diverged = 0, []
     per_prompt = []
     batched = ref.run_all(prompts, a.tokens, tol) if hasattr(ref, "run_all") and not a.one_by_one else None
+    exact = None
+    if a.fp32_check and a.reference == "hf" and backend_dtype(a.backend) != "float32":
+        exact = HFReference(ref_model, "float32", a.hf_device, a.attn)
+        exact_sums = {"pdserve": [0.0, 0.0], "reference": [0.0, 0.0], "count": 0}
     for p, ids in enumerate(prompts):
         n = len(ids)
         r = pd["prompts"][p]
@@ -392,6 +406,13 @@ def compare(a, binary, cfg, name, tol, work):
         prefill = pd_rows.get(r["logits_row"] + n, 1)
         ref_out = batched[p] if batched else ref.run(ids, a.tokens)
         d_pos, m_ref = max_abs_diff(rows, ref_out["rows"])
+        if exact is not None:
+            fp32_rows = exact.logits(ids)
+            for side, got in (("pdserve", rows), ("reference", ref_out["rows"])):
+                d = np.abs(np.asarray(got, dtype=np.float32) - fp32_rows)
+                exact_sums[side][0] = max(exact_sums[side][0], float(d.max()))
+                exact_sums[side][1] += float(d.sum())
+            exact_sums["count"] += fp32_rows.size
         d_pre, _ = max_abs_diff(prefill, ref_out["rows"][n - 1:n])
         rel = max(d_pos, d_pre) / m_ref if m_ref > 0 else float("inf")
         g_pd, g_ref = r["greedy"], ref_out["greedy"]
@@ -443,6 +464,16 @@ def compare(a, binary, cfg, name, tol, work):
     print("pdserve score: %.1f s wall (all-position pass %.2f s, prefill %.2f s, decode %.2f s); reference %.1f s" % (
         pd["wall_seconds"], secs.get("all_positions", 0), secs.get("prefill", 0), secs.get("decode", 0),
         ref_seconds))
+    fp32_check = None
+    if exact is not None:
+        fp32_check = {side: {"max_abs": exact_sums[side][0], "mean_abs": exact_sums[side][1] / exact_sums["count"]}
+                      for side in ("pdserve", "reference")}
+        print("against HF in float32 on the same weights (every prompt position): pdserve %s max abs %.3g, "
+              "mean abs %.3g; the reference (HF %s) max abs %.3g, mean abs %.3g" % (
+                  a.backend, fp32_check["pdserve"]["max_abs"], fp32_check["pdserve"]["mean_abs"],
+                  backend_dtype(a.backend), fp32_check["reference"]["max_abs"],
+                  fp32_check["reference"]["mean_abs"]))
+        del exact
     self_check = None
     if a.hf_self_check and batched and getattr(ref, "batch_dropped", False):
         print("HF against itself: not measured (the padded batch was dropped, so the reference already ran "
@@ -460,7 +491,8 @@ def compare(a, binary, cfg, name, tol, work):
             "prompts": len(prompts), "tokens": a.tokens, "max_abs_positions": worst_pos,
             "max_abs_prefill": worst_pre, "max_abs_steps": worst_step, "max_rel": worst_rel,
             "identical": identical, "identical_needed": need, "near_ties": near_ties,
-            "passed": passed, "hf_self_check": self_check, "hf_attn_check": attn_check, "per_prompt": per_prompt}
+            "passed": passed, "hf_self_check": self_check, "hf_attn_check": attn_check, "fp32_check": fp32_check,
+            "per_prompt": per_prompt}
 
 
 def agreement(runs, base, pd):
