@@ -148,9 +148,8 @@ struct kv_connector {
 
 /* One layer of a load, once taken from the transfer engine. */
 typedef struct kv_load_layer {
-    bool taken;
-    p2p_tensor *tensor; /* as received; NULL once its bytes are staged */
-    void *pinned;       /* the bytes in a page-locked pool buffer (see stage_pinned), or NULL */
+    bool taken, written; /* written: into the cache; its tensor is freed then */
+    p2p_tensor *tensor;
     size_t nbytes;
     int64_t n_sent; /* tokens it covers */
 } kv_load_layer;
@@ -161,7 +160,10 @@ struct kv_load {
     int n_prompt;
     double started, deadline;
     kv_load_layer *layer; /* one per model layer */
-    int n_taken, n_pinned;
+    int n_taken;
+    int n_early;   /* layers written by load_poll, as they arrived */
+    bool applying; /* in load_apply */
+    size_t bytes;  /* written so far */
     bool applied;
 };
 
@@ -458,31 +460,69 @@ int kv_connector_load_begin(kv_connector *c, const kv_request_params *params, in
     return 0;
 }
 
-/* A host tensor (tcp) bound for a device with page-locked memory is copied
- * into a pinned pool buffer as soon as it is taken, while later layers are
- * still on the wire. load_apply then queues one DMA per layer instead of a
- * pageable copy that stages through the driver and waits (on an H100 that
- * was about 8 ms of a 2,016-token request's TTFT), and the transfer
- * engine's receive buffer is given back at once. Without pinned memory (the
- * CPU backend, or the pool's pinned limit reached) the tensor stays as it
- * is and load_apply copies it as before. */
-static void stage_pinned(kv_connector *c, kv_load *l, kv_load_layer *ly) {
-    const p2p_tensor *t = ly->tensor;
-    if (t->on_device || t->nbytes == 0 || !c->be->host_alloc || !c->be->copy_h2d_async) return;
-    void *buf = pool_get(&c->pool, t->nbytes);
-    if (!buf) return;
-    if (!((pool_header *)buf - 1)->pinned) {
-        pool_put(&c->pool, buf);
-        return;
+/* Write every taken, not yet written layer's first n_tokens tokens into the
+ * cache at block_table, then free those tensors (after the sync nothing
+ * reads them). Returns how many layers it wrote, or -1. Host bytes (tcp) go
+ * through one backend buffer, reused layer by layer: copy_h2d waits for the
+ * stream, so the kv_write before it has read the buffer by then. Device
+ * bytes (nccl) are read where they arrived. */
+static int write_layers(kv_connector *c, kv_load *l, const int32_t *block_table, int n_tokens,
+                        pd_err *err) {
+    size_t stage_bytes = 0;
+    int todo = 0;
+    for (int i = 0; i < c->layers; i++) {
+        const kv_load_layer *ly = &l->layer[i];
+        if (!ly->taken || ly->written) continue;
+        todo++;
+        if (!ly->tensor->on_device && ly->nbytes > stage_bytes) stage_bytes = ly->nbytes;
     }
-    memcpy(buf, t->data, t->nbytes);
-    ly->pinned = buf;
-    p2p_tensor_free(c->p2p, ly->tensor);
-    ly->tensor = NULL;
-    l->n_pinned++;
+    if (todo == 0 || n_tokens <= 0) return 0;
+    const size_t row = (size_t)c->kv_dim * c->be->elem_size;
+    int32_t *slots = slots_upload(c, block_table, n_tokens, err);
+    if (!slots) return -1;
+    pd_step_meta meta;
+    memset(&meta, 0, sizeof meta);
+    meta.n_tokens = n_tokens;
+    meta.slot_mapping = slots;
+    void *stage = stage_bytes ? scratch_reserve(c, &c->rows_buf, stage_bytes, err) : NULL;
+    int rc = stage_bytes && !stage ? -1 : 0, wrote = 0;
+    for (int i = 0; i < c->layers && rc == 0; i++) {
+        kv_load_layer *ly = &l->layer[i];
+        if (!ly->taken || ly->written) continue;
+        void *src = ly->tensor->data;
+        if (!ly->tensor->on_device) {
+            if ((rc = c->be->copy_h2d(c->be, stage, src, ly->nbytes, err)) != 0) break;
+            src = stage;
+        }
+        void *k, *v;
+        opt_kv_layer(c->kv, i, &k, &v);
+        c->be->kv_write(c->be, k, v, src, (char *)src + (size_t)ly->n_sent * row, c->kv_dim, &meta,
+                        c->kv_dim);
+        ly->written = true;
+        l->bytes += ly->nbytes;
+        wrote++;
+    }
+    pthread_mutex_lock(&c->mu);
+    c->stats.layers_written += (uint64_t)wrote;
+    if (!l->applying) c->stats.layers_written_on_arrival += (uint64_t)wrote;
+    pthread_mutex_unlock(&c->mu);
+    pd_err sync_err = {{0}};
+    if (c->be->sync(c->be, &sync_err) != 0 && rc == 0) { /* the first error is the one to report */
+        rc = -1;
+        if (err) *err = sync_err;
+    }
+    for (int i = 0; i < c->layers; i++) {
+        kv_load_layer *ly = &l->layer[i];
+        if (ly->written && ly->tensor) {
+            p2p_tensor_free(c->p2p, ly->tensor);
+            ly->tensor = NULL;
+        }
+    }
+    return rc == 0 ? wrote : -1;
 }
 
-int kv_connector_load_poll(kv_connector *c, kv_load *l, int *http_status, pd_err *err) {
+int kv_connector_load_poll(kv_connector *c, kv_load *l, const int32_t *block_table,
+                           int *http_status, pd_err *err) {
     const opt_config *mc = opt_model_config(c->model);
     *http_status = 500;
     for (int i = 0; i < c->layers; i++) {
@@ -513,8 +553,16 @@ int kv_connector_load_poll(kv_connector *c, kv_load *l, int *http_status, pd_err
         }
         ly->nbytes = t->nbytes;
         ly->n_sent = t->shape[1];
-        stage_pinned(c, l, ly);
         l->n_taken++;
+    }
+    if (block_table) { /* the request has its blocks: write what arrived now */
+        int wrote = write_layers(c, l, block_table, l->n_prompt - 1, err);
+        if (wrote < 0) {
+            stats_add(c, false, false, 0);
+            return pd_wrap(err, "writing received KV %s into the cache",
+                           l->params.remote_request_id);
+        }
+        l->n_early += wrote;
     }
     if (l->n_taken == c->layers) return 1;
     if (pd_now() > l->deadline) {
@@ -532,56 +580,21 @@ int kv_connector_load_apply(kv_connector *c, kv_load *l, const int32_t *block_ta
         l->applied = true;
         return 0;
     }
-    const size_t row = (size_t)c->kv_dim * c->be->elem_size;
-    int32_t *slots = slots_upload(c, block_table, n_tokens, err);
-    if (!slots) return -1;
-    pd_step_meta meta;
-    memset(&meta, 0, sizeof meta);
-    meta.n_tokens = n_tokens;
-    meta.slot_mapping = slots;
-    /* Host bytes (tcp) go through one backend buffer, reused layer by layer:
-     * each copy into it is ordered after the kv_write before it, on the
-     * stream (copy_h2d_async from a pinned buffer) or by waiting for the
-     * stream (copy_h2d). Device bytes (nccl) are read where they arrived. */
-    size_t bytes = 0, stage_bytes = 0;
-    for (int i = 0; i < c->layers; i++) {
-        const kv_load_layer *ly = &l->layer[i];
-        if ((ly->pinned || !ly->tensor->on_device) && ly->nbytes > stage_bytes)
-            stage_bytes = ly->nbytes;
-    }
-    void *stage = stage_bytes ? scratch_reserve(c, &c->rows_buf, stage_bytes, err) : NULL;
-    int rc = stage_bytes && !stage ? -1 : 0;
-    for (int i = 0; i < c->layers && rc == 0; i++) {
-        const kv_load_layer *ly = &l->layer[i];
-        const size_t n_sent = (size_t)ly->n_sent;
-        void *src = stage;
-        if (ly->pinned)
-            rc = c->be->copy_h2d_async(c->be, stage, ly->pinned, ly->nbytes, err);
-        else if (!ly->tensor->on_device)
-            rc = c->be->copy_h2d(c->be, stage, ly->tensor->data, ly->nbytes, err);
-        else
-            src = ly->tensor->data;
-        if (rc != 0) break;
-        void *k, *v;
-        opt_kv_layer(c->kv, i, &k, &v);
-        c->be->kv_write(c->be, k, v, src, (char *)src + n_sent * row, c->kv_dim, &meta, c->kv_dim);
-        bytes += ly->nbytes;
-    }
-    pd_err sync_err = {{0}};
-    if (c->be->sync(c->be, &sync_err) != 0 && rc == 0) { /* the first error is the one to report */
-        rc = -1;
-        if (err) *err = sync_err;
-    }
-    if (rc != 0) return pd_wrap(err, "writing received KV into the cache");
+    if (l->n_early > 0 && n_tokens != l->n_prompt - 1)
+        return pd_fail(err, "KV %s: %d tokens to write, but %d were written as they arrived",
+                       l->params.remote_request_id, n_tokens, l->n_prompt - 1);
+    l->applying = true;
+    if (write_layers(c, l, block_table, n_tokens, err) < 0)
+        return pd_wrap(err, "writing received KV into the cache");
     l->applied = true;
     double now = pd_now();
     stats_add(c, false, true, now - l->started);
     pd_log(PD_LOG_DEBUG,
            "kv load %s: %s from %s: %zu bytes, %d tokens written into the cache (waited %.2f ms, "
            "wrote in %.2f ms; "
-           "%d of %d layers staged in pinned memory on arrival)",
-           l->tag, l->params.remote_request_id, l->params.remote_kv_addr, bytes, n_tokens,
-           (t0 - l->started) * 1e3, (now - t0) * 1e3, l->n_pinned, c->layers);
+           "%d of %d layers written as they arrived)",
+           l->tag, l->params.remote_request_id, l->params.remote_kv_addr, l->bytes, n_tokens,
+           (t0 - l->started) * 1e3, (now - t0) * 1e3, l->n_early, c->layers);
     return 0;
 }
 
@@ -590,8 +603,7 @@ void kv_connector_load_end(kv_connector *c, kv_load *l) {
     for (int i = 0; i < c->layers; i++) {
         kv_load_layer *ly = &l->layer[i];
         if (ly->taken) {
-            p2p_tensor_free(c->p2p, ly->tensor); /* NULL once staged */
-            pool_put(&c->pool, ly->pinned);      /* NULL unless staged */
+            p2p_tensor_free(c->p2p, ly->tensor); /* NULL once written */
         } else if (!l->applied) {
             /* Tell the producer to drop what it still holds for this layer. */
             char id[160];

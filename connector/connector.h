@@ -10,9 +10,11 @@
  *   consumer (decode, kv_consumer): a request that arrives with
  *     kv_transfer_params naming a remote prefill starts a load
  *     (kv_connector_load_begin); the engine polls it each step without
- *     blocking (kv_connector_load_poll); when everything arrived it writes the
- *     K/V of the first num_tokens - 1 prompt tokens into the request's blocks
- *     (kv_connector_load_apply) and runs only the last prompt token.
+ *     blocking (kv_connector_load_poll), which writes each layer into the
+ *     request's blocks as it arrives when the request already has them; when
+ *     everything arrived the rest of the K/V of the first num_tokens - 1
+ *     prompt tokens is written (kv_connector_load_apply) and only the last
+ *     prompt token runs.
  *
  * The engine knows nothing of ZMQ or NCCL; those live behind connector/p2p.h.
  * Nothing here parses request ids: requests are matched by the
@@ -111,10 +113,16 @@ int kv_connector_load_begin(kv_connector *c, const kv_request_params *params, in
                             kv_load **out, pd_err *err);
 /* Non-blocking: 1 = everything arrived, 0 = not yet, -1 = failed (deadline,
  * producer error, shape mismatch): err says why; *http_status gets 504 for a
- * deadline, 500 otherwise. */
-int kv_connector_load_poll(kv_connector *c, kv_load *l, int *http_status, pd_err *err);
+ * deadline, 500 otherwise. block_table: the request's blocks when it already
+ * has them (covering n_prompt tokens), else NULL. With blocks, each layer that
+ * arrived is written into the cache (its first n_prompt - 1 tokens) and freed
+ * at once, while later layers are still on their way; without, layers wait
+ * for load_apply. */
+int kv_connector_load_poll(kv_connector *c, kv_load *l, const int32_t *block_table,
+                           int *http_status, pd_err *err);
 /* Write the first n_tokens tokens of the received K/V into the cache at
- * block_table (which must cover them). */
+ * block_table (which must cover them; the same table load_poll was given,
+ * if any), as far as load_poll has not already. */
 int kv_connector_load_apply(kv_connector *c, kv_load *l, const int32_t *block_table, int n_tokens, pd_err *err);
 /* Free the load. When it was not applied (abort, deadline), the producer is
  * told to drop its copy at once. */
@@ -124,6 +132,9 @@ void kv_connector_load_end(kv_connector *c, kv_load *l);
 typedef struct kv_connector_stats {
     uint64_t saves_ok, saves_failed, loads_ok, loads_failed; /* per request */
     double save_seconds, load_seconds; /* summed wall time of finished saves/loads */
+    /* layers written into the cache, and of those the ones written as they
+     * arrived (the request had its blocks while it waited) */
+    uint64_t layers_written, layers_written_on_arrival;
     /* from the transfer engine, per tensor: */
     uint64_t sends_ok, sends_failed, recvs_ok, recvs_failed, retries, aborts;
     uint64_t bytes_sent, bytes_received;

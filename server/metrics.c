@@ -229,6 +229,14 @@ static void kv_metrics(pd_buf *b, const metrics *m, const kv_connector_stats *kv
            kv->save_seconds);
     sample(b, m, "pdserve:kv_load_seconds_total", "counter",
            "Time from a request's arrival to its remote KV being in the cache (consumer).", kv->load_seconds);
+    sample(
+        b, m, "pdserve:kv_layers_written_total", "counter",
+        "Layers of received KV written into the cache (consumer; one per model layer per request).",
+        (double)kv->layers_written);
+    sample(b, m, "pdserve:kv_layers_written_on_arrival_total", "counter",
+           "Of those, layers written as they arrived, while the request waited for the rest (its "
+           "blocks were free).",
+           (double)kv->layers_written_on_arrival);
 }
 
 char *metrics_render(metrics *m, const engine_stats *st, size_t *len) {

@@ -183,14 +183,37 @@ static bool reserve_running(scheduler *s, sched_batch *b, engine_seq *seq, int n
     return true;
 }
 
+/* A request waiting for remote KV gets its blocks while it waits, when they
+ * are there to spare, so that each layer goes into the cache as it arrives
+ * (vLLM's scheduler, too, allocates before the KV is in). Otherwise the
+ * whole prompt's KV is written at admission, after the last layer, and the
+ * first token waits for that. Spare means: every running sequence can
+ * still grow by one block, so no running sequence is preempted for a
+ * request that cannot run yet. In arrival order; the first that does not
+ * fit stops the rest. Blocks held this way are released like any other
+ * (finish, abort, deadline). */
+static void reserve_for_remote(scheduler *s) {
+    for (int i = 0; i < s->waiting.n; i++) {
+        engine_seq *seq = s->waiting.v[i];
+        if (!seq->kv_load || seq->kv_ready || seq->blocks.n_blocks > 0) continue;
+        const int need = kv_table_blocks_needed(s->pool, &seq->blocks, seq->n_tokens);
+        pd_err err;
+        if (kv_pool_num_free(s->pool) - need < s->running.n ||
+            kv_table_reserve(s->pool, &seq->blocks, seq->n_tokens, &err) != 0)
+            break;
+    }
+}
+
 int scheduler_poll_remote(scheduler *s) {
     int pending = 0;
+    reserve_for_remote(s);
     for (int i = s->waiting.n - 1; i >= 0; i--) {
         engine_seq *seq = s->waiting.v[i];
         if (!seq->kv_load || seq->kv_ready) continue;
         int status = 500;
         pd_err err = {{0}};
-        int r = kv_connector_load_poll(s->conn, seq->kv_load, &status, &err);
+        const int32_t *table = seq->blocks.n_blocks > 0 ? seq->blocks.ids : NULL;
+        int r = kv_connector_load_poll(s->conn, seq->kv_load, table, &status, &err);
         if (r > 0) {
             seq->kv_ready = true;
         } else if (r < 0) {

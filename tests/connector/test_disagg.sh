@@ -74,6 +74,21 @@ for st in PUT PUT_ASYNC GET; do
     fail=1
   fi
 done
+# A decode instance with blocks to spare gives a request waiting for KV its
+# blocks at once and writes each layer as it arrives; its metrics count those
+# layers apart from the ones written at admission (when blocks were short).
+metric() { curl -s "$1/metrics" | awk -v n="$2" '$1 ~ "^"n"[{]" {s += $2} END {print s + 0}'; }
+for st in PUT PUT_ASYNC GET; do
+  v=URL_d_$st
+  all=$(metric "${!v}" pdserve:kv_layers_written_total)
+  early=$(metric "${!v}" pdserve:kv_layers_written_on_arrival_total)
+  if [ "$early" -gt 0 ] && [ "$early" -le "$all" ]; then
+    echo "ok: d_$st wrote $early of $all received layers into the cache as they arrived"
+  else
+    echo "FAIL: d_$st: $early of $all layers written as they arrived"
+    fail=1
+  fi
+done
 # Every instance still alive and healthy after the faults (but the one we killed).
 for v in $(compgen -v URL_); do
   url=${!v}
