@@ -574,6 +574,10 @@ int kv_connector_load_poll(kv_connector *c, kv_load *l, const int32_t *block_tab
     return 0;
 }
 
+bool kv_connector_load_wrote_any(const kv_load *l) {
+    return l->n_early > 0;
+}
+
 int kv_connector_load_apply(kv_connector *c, kv_load *l, const int32_t *block_table, int n_tokens, pd_err *err) {
     double t0 = pd_now();
     if (n_tokens <= 0) {

@@ -120,6 +120,10 @@ int kv_connector_load_begin(kv_connector *c, const kv_request_params *params, in
  * for load_apply. */
 int kv_connector_load_poll(kv_connector *c, kv_load *l, const int32_t *block_table,
                            int *http_status, pd_err *err);
+/* Whether load_poll has written any received layer into the cache. Until it
+ * has, the blocks the request holds carry nothing of this load and may be
+ * given back (poll on with a NULL table; load_apply then writes it all). */
+bool kv_connector_load_wrote_any(const kv_load *l);
 /* Write the first n_tokens tokens of the received K/V into the cache at
  * block_table (which must cover them; the same table load_poll was given,
  * if any), as far as load_poll has not already. */

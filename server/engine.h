@@ -140,6 +140,9 @@ typedef struct engine_stats {
     uint64_t prompt_tokens, prompt_tokens_computed, generation_tokens;
     uint64_t prefix_queries, prefix_hits; /* in tokens */
     uint64_t preemptions;
+    /* blocks reserved for a request waiting for remote KV, none written yet,
+     * given back to a running sequence instead of preempting one */
+    uint64_t reservations_returned;
     uint64_t steps, step_tokens;
     uint64_t
         steps_ahead; /* --async-scheduling: steps queued while the one before was still running */

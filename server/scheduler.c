@@ -167,12 +167,36 @@ static bool in_batch(const sched_batch *b, const engine_seq *seq) {
     return false;
 }
 
-/* Make room for a running sequence's next n_new tokens, preempting the
- * newest running sequences not already in this step. Returns false when the
- * sequence itself had to be preempted. */
+/* Give back the blocks of the newest request waiting for remote KV that has
+ * had none of it written yet (reserve_for_remote gave them): a running
+ * sequence needs them more than a request that cannot run yet, whose
+ * prefill may never send. One whose blocks hold received layers keeps them:
+ * those layers are not kept anywhere else. Returns whether blocks came free. */
+static bool return_reservation(scheduler *s) {
+    for (int i = s->waiting.n - 1; i >= 0; i--) {
+        engine_seq *seq = s->waiting.v[i];
+        if (!seq->kv_load || seq->kv_ready || seq->blocks.n_blocks == 0 ||
+            kv_connector_load_wrote_any(seq->kv_load))
+            continue;
+        pd_log(
+            PD_LOG_DEBUG,
+            "request %s: its %d blocks, held for KV that has not arrived, go to a running sequence",
+            seq->id, seq->blocks.n_blocks);
+        kv_table_release(s->pool, &seq->blocks);
+        s->stats->reservations_returned++;
+        return true;
+    }
+    return false;
+}
+
+/* Make room for a running sequence's next n_new tokens: first from blocks
+ * held for remote KV not yet written, then by preempting the newest running
+ * sequences not already in this step. Returns false when the sequence itself
+ * had to be preempted. */
 static bool reserve_running(scheduler *s, sched_batch *b, engine_seq *seq, int n_new) {
     pd_err err;
     while (kv_table_reserve(s->pool, &seq->blocks, seq->n_computed + n_new, &err) != 0) {
+        if (return_reservation(s)) continue;
         engine_seq *victim = NULL;
         for (int i = s->running.n - 1; i >= 0 && !victim; i--)
             if (!in_batch(b, s->running.v[i])) victim = s->running.v[i];
@@ -191,7 +215,9 @@ static bool reserve_running(scheduler *s, sched_batch *b, engine_seq *seq, int n
  * still grow by one block, so no running sequence is preempted for a
  * request that cannot run yet. In arrival order; the first that does not
  * fit stops the rest. Blocks held this way are released like any other
- * (finish, abort, deadline). */
+ * (finish, abort, deadline), and given back early to a running sequence
+ * that needs them while nothing has been written into them
+ * (return_reservation). */
 static void reserve_for_remote(scheduler *s) {
     for (int i = 0; i < s->waiting.n; i++) {
         engine_seq *seq = s->waiting.v[i];

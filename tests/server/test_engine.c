@@ -97,6 +97,87 @@ static int same_outputs(const req *a, const req *b, int n) {
     return same;
 }
 
+/* A decode instance (kv_consumer) holds blocks for a request whose KV is on
+ * its way; when a running sequence then needs them and nothing has been
+ * written into them, it gets them and no running sequence is preempted.
+ * Here the prefill never sends, so the waiting request ends at the transfer
+ * deadline with a 504 and its blocks come back. 20 blocks of 16 tokens: the
+ * waiting request holds 6 (96 tokens); two local requests grow to 116
+ * tokens, 8 blocks each, 16 > the 14 left. */
+static void reservation_returned(void) {
+    kv_transfer_config kvc;
+    memset(&kvc, 0, sizeof kvc);
+    kvc.role = KV_ROLE_CONSUMER;
+    snprintf(kvc.kv_ip, sizeof kvc.kv_ip, "127.0.0.1");
+    kvc.kv_port = 0; /* any free port */
+    kvc.kv_buffer_size = 1e8;
+    kvc.send_type = KV_SEND_PUT_ASYNC;
+    kvc.transport = KV_TRANSPORT_TCP;
+    kvc.timeout_s = 4;
+    kvc.announce_interval_s = 3;
+    engine_config c;
+    engine_config_default(&c);
+    c.model_dir = model_dir;
+    c.num_blocks_override = 20;
+    c.max_model_len = 256; /* 16 blocks: the pool holds one whole sequence */
+    c.kv_transfer = &kvc;
+    engine *e = NULL;
+    pd_err err = {{0}};
+    CHECKF(engine_create(&c, &e, &err) == 0, "%s", err.msg);
+    if (!e) return;
+
+    int32_t prompt[96];
+    for (int i = 0; i < 96; i++)
+        prompt[i] = i ? 1000 + i : 2;
+    engine_request_params p;
+    engine_request_params_default(&p);
+    p.max_tokens = 100;
+    p.ignore_eos = true;
+    p.kv.present = p.kv.do_remote_prefill = true;
+    snprintf(p.kv.remote_kv_addr, sizeof p.kv.remote_kv_addr, "127.0.0.1:9");
+    snprintf(p.kv.remote_request_id, sizeof p.kv.remote_request_id, "never-sent");
+    engine_seq *remote = NULL;
+    CHECKF(engine_submit(e, prompt, 96, &p, "remote", &remote, &err) == ENGINE_OK, "%s", err.msg);
+    engine_stats st;
+    for (int i = 0; i < 200; i++) { /* the engine reserves on its next poll */
+        engine_stats_get(e, &st);
+        if (st.free_blocks == 14) break;
+        usleep(10000);
+    }
+    CHECKF(st.free_blocks == 14, "blocks held for the waiting request: %d of 20 free, expected 14",
+           st.free_blocks);
+
+    p.kv.present = p.kv.do_remote_prefill = false;
+    engine_seq *local[2];
+    for (int i = 0; i < 2; i++)
+        CHECKF(engine_submit(e, prompt + 10 * i, 16, &p, "local", &local[i], &err) == ENGINE_OK,
+               "%s", err.msg);
+    for (int i = 0; i < 2; i++) {
+        while (engine_seq_finish(local[i]) == FINISH_NONE)
+            engine_seq_wait(local[i], 1 << 30, 1000);
+        CHECKF(engine_seq_finish(local[i]) == FINISH_LENGTH &&
+                   engine_seq_wait(local[i], 0, 0) == 100,
+               "local request %d: %s after %d tokens", i,
+               finish_reason_name(engine_seq_finish(local[i])), engine_seq_wait(local[i], 0, 0));
+        engine_seq_release(local[i]);
+    }
+    engine_stats_get(e, &st);
+    CHECKF(st.preemptions == 0 && st.reservations_returned >= 1,
+           "%llu preemptions, %llu reservations given back: the held blocks should have gone to "
+           "the running sequences",
+           (unsigned long long)st.preemptions, (unsigned long long)st.reservations_returned);
+    while (engine_seq_finish(remote) == FINISH_NONE)
+        engine_seq_wait(remote, 1 << 30, 1000);
+    CHECKF(engine_seq_finish(remote) == FINISH_ERROR && engine_seq_error_status(remote) == 504,
+           "the request whose KV never came: %s, status %d",
+           finish_reason_name(engine_seq_finish(remote)), engine_seq_error_status(remote));
+    engine_seq_release(remote);
+    wait_idle(e, &st);
+    CHECKF(st.free_blocks == st.total_blocks, "blocks leaked: %d of %d free", st.free_blocks,
+           st.total_blocks);
+    engine_destroy(e);
+}
+
 int main(void) {
     snprintf(model_dir, sizeof model_dir, "%s/tiny", test_tmpdir());
     pd_err err = {{0}};
@@ -264,5 +345,6 @@ int main(void) {
     CHECKF(st.free_blocks == st.total_blocks, "async scheduling: blocks leaked after preemption: %d of %d free",
            st.free_blocks, st.total_blocks);
     engine_destroy(e);
+    reservation_returned();
     return test_finish();
 }
