@@ -105,16 +105,16 @@ static int same_outputs(const req *a, const req *b, int n) {
  * waiting request holds 6 (96 tokens); two local requests grow to 116
  * tokens, 8 blocks each, 16 > the 14 left. */
 static void reservation_returned(void) {
+    /* As a user writes it for a decode instance; then any free port. */
     kv_transfer_config kvc;
-    memset(&kvc, 0, sizeof kvc);
-    kvc.role = KV_ROLE_CONSUMER;
-    snprintf(kvc.kv_ip, sizeof kvc.kv_ip, "127.0.0.1");
-    kvc.kv_port = 0; /* any free port */
-    kvc.kv_buffer_size = 1e8;
-    kvc.send_type = KV_SEND_PUT_ASYNC;
-    kvc.transport = KV_TRANSPORT_TCP;
-    kvc.timeout_s = 4;
-    kvc.announce_interval_s = 3;
+    pd_err err = {{0}};
+    CHECKF(kv_transfer_config_parse(
+               "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","
+               "\"kv_ip\":\"127.0.0.1\",\"kv_connector_extra_config\":"
+               "{\"send_type\":\"PUT_ASYNC\",\"timeout_s\":4}}",
+               &kvc, &err) == 0,
+           "%s", err.msg);
+    kvc.kv_port = 0;
     engine_config c;
     engine_config_default(&c);
     c.model_dir = model_dir;
@@ -122,7 +122,6 @@ static void reservation_returned(void) {
     c.max_model_len = 256; /* 16 blocks: the pool holds one whole sequence */
     c.kv_transfer = &kvc;
     engine *e = NULL;
-    pd_err err = {{0}};
     CHECKF(engine_create(&c, &e, &err) == 0, "%s", err.msg);
     if (!e) return;
 
