@@ -279,7 +279,14 @@ char *metrics_render(metrics *m, const engine_stats *st, size_t *len) {
                st->free_blocks);
         sample(&b, m, "pdserve:kv_cache_total_blocks", "gauge", "KV-cache blocks in all.",
                st->total_blocks);
-        if (st->has_connector) kv_metrics(&b, m, &st->kv);
+        if (st->has_connector) {
+            kv_metrics(&b, m, &st->kv);
+            sample(
+                &b, m, "pdserve:kv_reservations_returned_total", "counter",
+                "Times blocks held for remote KV that had not arrived went to a running sequence "
+                "instead of preempting one (consumer).",
+                (double)st->reservations_returned);
+        }
     }
     pthread_mutex_lock(&m->mu);
     head(&b, "vllm:request_success_total", "counter", "Count of successfully processed requests.");
