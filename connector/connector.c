@@ -235,6 +235,8 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
         .host_alloc = pool_get,
         .host_free = pool_put,
         .host_ctx = &c->pool,
+        .recv_into_host_alloc = c->cfg.recv_into_pinned && c->cfg.role != KV_ROLE_PRODUCER &&
+                                c->cfg.transport == KV_TRANSPORT_TCP,
         .on_arrival = on_kv_arrival,
         .arrival_ctx = ctx,
     };
@@ -243,9 +245,17 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
         kv_connector_destroy(c);
         return -1;
     }
-    pd_log(PD_LOG_INFO, "kv connector: %s on %s (send_type %s, transport %s, kv_buffer_size %.3g bytes, timeout %.0f s)",
+    pd_log(PD_LOG_INFO,
+           "kv connector: %s on %s (send_type %s, transport %s, kv_buffer_size %.3g bytes, timeout "
+           "%.0f s%s)",
            kv_role_name(cfg->role), p2p_address(c->p2p), kv_send_type_name(cfg->send_type),
-           cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp", cfg->kv_buffer_size, cfg->timeout_s);
+           cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp", cfg->kv_buffer_size,
+           cfg->timeout_s,
+           pc.recv_into_host_alloc
+               ? (be->host_alloc
+                      ? ", receiving into page-locked memory"
+                      : ", receiving into the host pool (this backend has no page-locked memory)")
+               : "");
     *out = c;
     return 0;
 }
@@ -464,8 +474,15 @@ int kv_connector_load_begin(kv_connector *c, const kv_request_params *params, in
  * cache at block_table, then free those tensors (after the sync nothing
  * reads them). Returns how many layers it wrote, or -1. Host bytes (tcp) go
  * through one backend buffer, reused layer by layer: copy_h2d waits for the
- * stream, so the kv_write before it has read the buffer by then. Device
- * bytes (nccl) are read where they arrived. */
+ * stream, so the kv_write before it has read the buffer by then; a queued
+ * copy from page-locked memory (recv_into_pinned) is ordered after it on the
+ * same stream. Device bytes (nccl) are read where they arrived. */
+/* A received tensor in a page-locked buffer of the host pool: the backend
+ * can queue its copy to the device (DMA) instead of copying it now. */
+static bool pinned_payload(const p2p_tensor *t) {
+    return t->from_host_alloc && ((const pool_header *)t->data - 1)->pinned;
+}
+
 static int write_layers(kv_connector *c, kv_load *l, const int32_t *block_table, int n_tokens,
                         pd_err *err) {
     size_t stage_bytes = 0;
@@ -491,7 +508,10 @@ static int write_layers(kv_connector *c, kv_load *l, const int32_t *block_table,
         if (!ly->taken || ly->written) continue;
         void *src = ly->tensor->data;
         if (!ly->tensor->on_device) {
-            if ((rc = c->be->copy_h2d(c->be, stage, src, ly->nbytes, err)) != 0) break;
+            rc = c->be->copy_h2d_async && pinned_payload(ly->tensor)
+                     ? c->be->copy_h2d_async(c->be, stage, src, ly->nbytes, err)
+                     : c->be->copy_h2d(c->be, stage, src, ly->nbytes, err);
+            if (rc != 0) break;
             src = stage;
         }
         void *k, *v;

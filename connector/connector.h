@@ -47,6 +47,10 @@ typedef struct kv_transfer_config {
     int nccl_num_channels;    /* 8 */
     double timeout_s;         /* 30: every wait of a transfer (pdserve extension key) */
     double announce_interval_s; /* 3 (pdserve extension key) */
+    /* false (pdserve extension key): a consumer on tcp copies each received
+     * layer into page-locked memory on the transfer engine's thread, so its
+     * engine thread queues a DMA instead of a pageable copy (docs/disaggregation.md) */
+    bool recv_into_pinned;
 } kv_transfer_config;
 
 /* Parse and validate the JSON text of --kv-transfer-config. Wrong types or

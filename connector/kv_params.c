@@ -89,6 +89,12 @@ static int parse_extra(const cJSON *extra, kv_transfer_config *c, pd_err *err) {
             if (!(d > 0 && d <= 3600)) return pd_fail(err, "--kv-transfer-config: kv_connector_extra_config.%s must be in (0, 3600], got %g", k, d);
             if (k[0] == 't') c->timeout_s = d;
             else c->announce_interval_s = d;
+        } else if (!strcmp(k, "recv_into_pinned")) {
+            if (!cJSON_IsBool(v))
+                return pd_fail(err,
+                               "--kv-transfer-config: kv_connector_extra_config.recv_into_pinned "
+                               "must be true or false");
+            c->recv_into_pinned = cJSON_IsTrue(v);
         } else if (!strcmp(k, "mem_pool_size_gb")) {
             pd_log(PD_LOG_INFO, "kv-transfer-config: kv_connector_extra_config.mem_pool_size_gb is accepted and ignored (pdserve needs no pinned pool on the CPU)");
         } else {

@@ -64,10 +64,12 @@ void p2p_op_free(p2p_op *op) {
     free(op);
 }
 
-static void rx_tensor_release(p2p_rx_tensor *t) {
+void p2p_rx_tensor_release(p2p_rx_tensor *t) {
     if (!t) return;
     if (t->has_msg)
         zmq_msg_close(&t->msg);
+    else if (t->pub.from_host_alloc)
+        t->host_free(t->host_ctx, t->pub.data);
     else if (t->pub.data)
         p2p_buffer_release(t->pub.on_device, t->pub.data);
     free(t);
@@ -75,7 +77,7 @@ static void rx_tensor_release(p2p_rx_tensor *t) {
 
 void p2p_rx_free(p2p_rx *rx) {
     if (!rx) return;
-    rx_tensor_release(rx->tensor);
+    p2p_rx_tensor_release(rx->tensor);
     p2p_nccl_op_free(rx->nop);
     if (rx->dev_buf) p2p_nccl_free(rx->dev_buf);
     free(rx);
@@ -533,7 +535,7 @@ void p2p_tensor_free(p2p_engine *e, p2p_tensor *t) {
     pthread_mutex_lock(&e->mu);
     e->buffered -= rt->counted;
     pthread_mutex_unlock(&e->mu);
-    rx_tensor_release(rt);
+    p2p_rx_tensor_release(rt);
 }
 
 void p2p_drop(p2p_engine *e, const char *peer, const char *id) {
@@ -550,7 +552,7 @@ void p2p_drop(p2p_engine *e, const char *peer, const char *id) {
         cancelled = rx->state == RX_RESERVED || rx->state == RX_READY;
         e->buffered -= rx->counted;
         rx->counted = 0;
-        rx_tensor_release(rx->tensor);
+        p2p_rx_tensor_release(rx->tensor);
         rx->tensor = NULL;
         if (rx->dev_buf) p2p_nccl_free(rx->dev_buf);
         rx->dev_buf = NULL;

@@ -330,10 +330,10 @@ static void on_get_ok(p2p_engine *e, p2p_peer *p, p2p_op *op, const p2p_reply *r
                       got, op->id, r->meta.nbytes);
         return;
     }
-    p2p_rx_tensor *t = p2p_rx_tensor_make(op->id, &r->meta, &frames[1], NULL);
+    p2p_rx_tensor *t = p2p_rx_tensor_make(e, op->id, &r->meta, &frames[1], NULL);
     p2p_rx *rx = t ? calloc(1, sizeof *rx) : NULL;
     if (!rx) {
-        free(t);
+        p2p_rx_tensor_release(t);
         p2p_op_finish(e, op, false, "out of memory receiving %s", op->id);
         return;
     }
@@ -477,7 +477,7 @@ void p2p_client_poll_nccl(p2p_engine *e, double now) {
         }
         /* GET received into op->dev_buf. */
         p2p_rx_tensor *t =
-            op->dropped ? NULL : p2p_rx_tensor_make(op->id, &op->meta, NULL, op->dev_buf);
+            op->dropped ? NULL : p2p_rx_tensor_make(e, op->id, &op->meta, NULL, op->dev_buf);
         p2p_rx *rx = t ? calloc(1, sizeof *rx) : NULL;
         if (!rx) {
             free(t);

@@ -78,6 +78,8 @@ typedef struct p2p_rx_tensor {
     p2p_tensor pub;
     zmq_msg_t msg; /* the ZMQ frame holding the bytes (tcp, when aligned) */
     bool has_msg;
+    void (*host_free)(void *ctx, void *p); /* for pub.from_host_alloc */
+    void *host_ctx;
     size_t counted; /* bytes it holds in the kv_buffer_size budget */
 } p2p_rx_tensor;
 
@@ -179,10 +181,12 @@ void p2p_op_finish(p2p_engine *e, p2p_op *op, bool ok, const char *fmt, ...)
 void p2p_queue_abort(p2p_engine *e, const char *peer, const char *id);
 void p2p_rx_fail(p2p_engine *e, const char *id, const char *peer, const pd_err *why);
 p2p_rx *p2p_rx_lookup(p2p_engine *e, const char *id);
-/* A received tensor around a ZMQ frame (kept when suitably aligned, else copied) or a device
- * buffer. */
-p2p_rx_tensor *p2p_rx_tensor_make(const char *id, const p2p_meta *meta, zmq_msg_t *frame,
-                                  void *dev_buf);
+/* A received tensor around a ZMQ frame (kept when suitably aligned, else
+ * copied; copied into host_alloc memory under recv_into_host_alloc) or a
+ * device buffer. */
+p2p_rx_tensor *p2p_rx_tensor_make(const p2p_engine *e, const char *id, const p2p_meta *meta,
+                                  zmq_msg_t *frame, void *dev_buf);
+void p2p_rx_tensor_release(p2p_rx_tensor *t);
 /* Makes rx READY with t, counting its bytes in the budget, and updates receive stats. */
 void p2p_rx_ready(p2p_engine *e, p2p_rx *rx, p2p_rx_tensor *t, double t_start);
 

@@ -85,8 +85,8 @@ p2p_rx *p2p_rx_lookup(p2p_engine *e, const char *id) {
     return rx;
 }
 
-p2p_rx_tensor *p2p_rx_tensor_make(const char *id, const p2p_meta *meta, zmq_msg_t *frame,
-                                  void *dev_buf) {
+p2p_rx_tensor *p2p_rx_tensor_make(const p2p_engine *e, const char *id, const p2p_meta *meta,
+                                  zmq_msg_t *frame, void *dev_buf) {
     p2p_rx_tensor *t = calloc(1, sizeof *t);
     if (!t) return NULL;
     snprintf(t->pub.id, sizeof t->pub.id, "%s", id);
@@ -107,7 +107,17 @@ p2p_rx_tensor *p2p_rx_tensor_make(const char *id, const p2p_meta *meta, zmq_msg_
         zmq_msg_init(&t->msg);
         zmq_msg_move(&t->msg, frame);
         void *p = zmq_msg_data(&t->msg);
-        if (((uintptr_t)p & 7) == 0) {
+        void *own = e->cfg.recv_into_host_alloc && e->cfg.host_alloc
+                        ? e->cfg.host_alloc(e->cfg.host_ctx, meta->nbytes)
+                        : NULL;
+        if (own) { /* else (none to spare) as without the option */
+            memcpy(own, p, meta->nbytes);
+            zmq_msg_close(&t->msg);
+            t->pub.data = own;
+            t->pub.from_host_alloc = true;
+            t->host_free = e->cfg.host_free;
+            t->host_ctx = e->cfg.host_ctx;
+        } else if (((uintptr_t)p & 7) == 0) {
             t->has_msg = true;
             t->pub.data = p;
         } else { /* ZMQ may hand out frames at any offset; callers may cast to float */

@@ -274,7 +274,7 @@ static void on_data(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len,
         reply(e, who, P2P_CMD_DATA, m.tensor_id, P2P_RET_REFUSED, "%s", err.msg);
         return;
     }
-    p2p_rx_tensor *t = p2p_rx_tensor_make(rx->id, &rx->meta, frame, NULL);
+    p2p_rx_tensor *t = p2p_rx_tensor_make(e, rx->id, &rx->meta, frame, NULL);
     if (!t) {
         pd_fail(&err, "out of memory receiving %s", rx->id);
         p2p_rx_fail(e, rx->id, who, &err);
@@ -469,7 +469,7 @@ void p2p_serve_poll_nccl(p2p_engine *e, double now) {
                   e->addr, rx->id);
             continue;
         }
-        p2p_rx_tensor *t = p2p_rx_tensor_make(rx->id, &rx->meta, NULL, rx->dev_buf);
+        p2p_rx_tensor *t = p2p_rx_tensor_make(e, rx->id, &rx->meta, NULL, rx->dev_buf);
         if (!t) {
             pd_fail(&err, "out of memory receiving %s", rx->id);
             p2p_rx_fail(e, rx->id, who, &err);

@@ -169,6 +169,7 @@ def metric_sum(text, name):
 
 
 def kv_config(role, kv_port, disc_port, http_port, a):
+    extra = {"recv_into_pinned": True} if a.recv_into_pinned else {}
     return json.dumps({
         "kv_connector": "P2pNcclConnector",
         "kv_role": role,
@@ -183,6 +184,7 @@ def kv_config(role, kv_port, disc_port, http_port, a):
             "transport": a.transport,
             "nccl_num_channels": "8",
             "timeout_s": 60,
+            **extra,
         },
     })
 
@@ -430,6 +432,9 @@ def main():
                     help="the prefill instance's --device (default --device); nccl needs two GPUs: cuda:0 ...")
     ap.add_argument("--decode-device", default=None, help="the decode instance's --device, e.g. cuda:1")
     ap.add_argument("--decode-block-size", type=int, default=16)
+    ap.add_argument("--recv-into-pinned", action="store_true",
+                    help="kv_connector_extra_config.recv_into_pinned: the decode instance receives KV into "
+                         "page-locked memory (tcp)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                     help="each instance's share of the GPU (three run on one)")
     ap.add_argument("--seed", type=int, default=1)

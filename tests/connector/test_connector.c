@@ -6,7 +6,10 @@
  * given to load_poll (each layer is written as it arrives: the cache is
  * complete and the transfer engine holds nothing once the poll reports
  * everything in, before load_apply), and without (nothing is written until
- * load_apply). The ASan build checks that received tensors are all freed. */
+ * load_apply). All of it runs twice more with recv_into_pinned and the CPU
+ * backend given emulated page-locked memory and queued copies, as a GPU
+ * backend has them: every layer written must then go through a queued copy.
+ * The ASan build checks that received tensors are all freed. */
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -35,8 +38,30 @@ static void fill_cache(const opt_kv_storage *kv, int layers, size_t floats_per_l
     }
 }
 
-static kv_connector *connector(kv_role role, kv_send_type send, opt_model *m, opt_kv_storage *kv,
-                               pd_backend *be) {
+/* Page-locked memory and queued copies, as a GPU backend has them, emulated
+ * on the CPU backend for the recv_into_pinned pass; queued copies are
+ * counted so the test knows that path ran. */
+static int queued_copies;
+static void *emu_host_alloc(pd_backend *be, size_t bytes, pd_err *err) {
+    (void)be;
+    void *p = malloc(bytes);
+    if (!p) pd_fail(err, "out of memory");
+    return p;
+}
+static void emu_host_free(pd_backend *be, void *p) {
+    (void)be;
+    free(p);
+}
+static int emu_copy_h2d_async(pd_backend *be, void *dst, const void *src, size_t bytes,
+                              pd_err *err) {
+    (void)be, (void)err;
+    memcpy(dst, src, bytes);
+    queued_copies++;
+    return 0;
+}
+
+static kv_connector *connector(kv_role role, kv_send_type send, bool pinned, opt_model *m,
+                               opt_kv_storage *kv, pd_backend *be) {
     kv_transfer_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.role = role;
@@ -47,6 +72,7 @@ static kv_connector *connector(kv_role role, kv_send_type send, opt_model *m, op
     cfg.transport = KV_TRANSPORT_TCP;
     cfg.timeout_s = 10;
     cfg.announce_interval_s = 3;
+    cfg.recv_into_pinned = pinned;
     kv_connector *c = NULL;
     pd_err err = {{0}};
     CHECKF(kv_connector_create(&cfg, m, kv, be, 8000, NULL, NULL, &c, &err) == 0, "%s", err.msg);
@@ -88,10 +114,12 @@ static size_t wrong_values(const opt_kv_storage *kv_p, const opt_kv_storage *kv_
 }
 
 /* One prompt of n tokens from the producer's blocks into the consumer's;
- * early: the consumer's blocks go to load_poll; apply=false abandons the
- * load once everything arrived instead of applying it. */
-static void transfer(kv_send_type send, bool early, opt_model *m, pd_backend *be, int n,
-                     bool apply) {
+ * early: the consumer's blocks go to load_poll; pinned: the consumer
+ * receives into (emulated) page-locked memory and queues its copies;
+ * apply=false abandons the load once everything arrived instead of applying
+ * it. */
+static void transfer(kv_send_type send, bool early, bool pinned, opt_model *m, pd_backend *be,
+                     int n, bool apply) {
     const opt_config *mc = opt_model_config(m);
     const int layers = mc->num_hidden_layers, dim = mc->hidden_size;
     const size_t floats = (size_t)NUM_BLOCKS * BLOCK_SIZE * (size_t)dim;
@@ -103,8 +131,9 @@ static void transfer(kv_send_type send, bool early, opt_model *m, pd_backend *be
     fill_cache(kv_p, layers, floats, true);
     fill_cache(kv_c, layers, floats, false);
 
-    kv_connector *prod = connector(KV_ROLE_PRODUCER, send, m, kv_p, be);
-    kv_connector *cons = connector(KV_ROLE_CONSUMER, send, m, kv_c, be);
+    kv_connector *prod = connector(KV_ROLE_PRODUCER, send, pinned, m, kv_p, be);
+    kv_connector *cons = connector(KV_ROLE_CONSUMER, send, pinned, m, kv_c, be);
+    queued_copies = 0;
     if (!prod || !cons) goto out;
 
     kv_request_params sp;
@@ -151,6 +180,11 @@ static void transfer(kv_send_type send, bool early, opt_model *m, pd_backend *be
            "layers written %llu, on arrival %llu (early %d, apply %d)",
            (unsigned long long)st.layers_written, (unsigned long long)st.layers_written_on_arrival,
            early, apply);
+    /* Every layer written went through a queued copy from page-locked
+     * memory when the consumer received into it, and none otherwise. */
+    CHECKF(queued_copies == (pinned ? (int)st.layers_written : 0),
+           "%d queued copies for %llu layers (pinned %d)", queued_copies,
+           (unsigned long long)st.layers_written, pinned);
     wrong = wrong_values(kv_p, kv_c, layers, dim, apply || early ? n - 1 : 0);
     CHECKF(wrong == 0, "%zu cache values wrong (send %s, early %d, n %d, apply %d)", wrong,
            kv_send_type_name(send), early, n, apply);
@@ -171,14 +205,23 @@ int main(void) {
     CHECKF(pd_backend_create("cpu", 1, &be, &err) == 0, "%s", err.msg);
     if (be) CHECKF(opt_model_load(dir, be, &m, &err) == 0, "%s", err.msg);
     const kv_send_type sends[] = {KV_SEND_PUT, KV_SEND_PUT_ASYNC, KV_SEND_GET};
-    for (int early = 0; m && early < 2; early++)
-        for (int s = 0; s < 3; s++) {
-            transfer(sends[s], early, m, be, 21, true); /* three blocks, the last one partly */
-            transfer(sends[s], early, m, be, 17,
-                     true); /* the n - 1 written tokens fill two blocks */
-            transfer(sends[s], early, m, be, 2, true);   /* one token written */
-            transfer(sends[s], early, m, be, 21, false); /* everything arrived, then abandoned */
+    for (int pinned = 0; m && pinned < 2; pinned++) {
+        if (pinned) { /* as a GPU backend: page-locked host memory, queued copies */
+            be->host_alloc = emu_host_alloc;
+            be->host_free = emu_host_free;
+            be->copy_h2d_async = emu_copy_h2d_async;
         }
+        for (int early = 0; early < 2; early++)
+            for (int s = 0; s < 3; s++) {
+                transfer(sends[s], early, pinned, m, be, 21,
+                         true); /* three blocks, the last partly */
+                transfer(sends[s], early, pinned, m, be, 17,
+                         true); /* n - 1 tokens fill two blocks */
+                transfer(sends[s], early, pinned, m, be, 2, true); /* one token written */
+                transfer(sends[s], early, pinned, m, be, 21,
+                         false); /* all arrived, then abandoned */
+            }
+    }
     opt_model_free(m);
     pd_backend_destroy(be);
     return test_finish();

@@ -34,7 +34,10 @@ for st in PUT PUT_ASYNC GET; do
   pp=$(freeport); dp=$(freeport)
   bs_p=$((16 << (i % 2))); bs_d=$((8 << i))
   start "p_$st" --block-size $bs_p --kv-transfer-config "$(kvcfg kv_producer "$pp" "$st")"
-  start "d_$st" --block-size $bs_d --kv-transfer-config "$(kvcfg kv_consumer "$dp" "$st")"
+  # The PUT_ASYNC decode instance receives into its host pool
+  # (recv_into_pinned; page-locked on a GPU), so that path meets every check.
+  extra=; [ $st = PUT_ASYNC ] && extra=',"recv_into_pinned":true'
+  start "d_$st" --block-size $bs_d --kv-transfer-config "$(kvcfg kv_consumer "$dp" "$st" "$extra")"
   export "KV_p_$st=127.0.0.1:$pp" "KV_d_$st=127.0.0.1:$dp"
   i=$((i + 1))
 done
@@ -74,6 +77,12 @@ for st in PUT PUT_ASYNC GET; do
     fail=1
   fi
 done
+if grep -q 'receiving into the host pool' "$tmp/d_PUT_ASYNC.log"; then
+  echo "ok: d_PUT_ASYNC receives into its host pool (recv_into_pinned)"
+else
+  echo "FAIL: d_PUT_ASYNC's log does not say it receives into its host pool"
+  fail=1
+fi
 # A decode instance with blocks to spare gives a request waiting for KV its
 # blocks at once and writes each layer as it arrives; its metrics count those
 # layers apart from the ones written at admission (when blocks were short).

@@ -20,7 +20,13 @@ static void config_ok(void) {
     /* Defaults of protocol.md. */
     CHECK(kv_transfer_config_parse("{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\"}", &c, &err) == 0);
     CHECK(c.role == KV_ROLE_CONSUMER && c.kv_port == 14579 && c.kv_buffer_size == 1e9 && c.send_type == KV_SEND_PUT_ASYNC);
-    CHECK(c.transport == KV_TRANSPORT_TCP && c.timeout_s == 30 && c.proxy_ip[0] == 0);
+    CHECK(c.transport == KV_TRANSPORT_TCP && c.timeout_s == 30 && c.proxy_ip[0] == 0 &&
+          !c.recv_into_pinned);
+    CHECK(kv_transfer_config_parse(
+              "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","
+              "\"kv_connector_extra_config\":{\"recv_into_pinned\":true}}",
+              &c, &err) == 0 &&
+          c.recv_into_pinned);
     CHECK(kv_transfer_config_parse("{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_buffer_size\":5e9,"
                                    "\"kv_connector_extra_config\":{\"send_type\":\"GET\",\"transport\":\"nccl\","
                                    "\"timeout_s\":2.5},\"kv_rank\":0,\"future_key\":1}",
@@ -38,24 +44,37 @@ static void config_bad(void) {
         {"{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_producer\"}", "NixlConnector"},
         {"{\"kv_connector\":\"P2pNcclConnector\"}", "kv_role"},
         {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"prefill\"}", "kv_role"},
-        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_port\":0}", "kv_port"},
-        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_port\":\"abc\"}", "kv_port"},
-        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_buffer_size\":-1}", "kv_buffer_size"},
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_port\":0}",
+         "kv_port"},
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_port\":\"abc\"}",
+         "kv_port"},
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_buffer_size\":-1}",
+         "kv_buffer_size"},
         {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_ip\":5}", "kv_ip"},
-        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":3}",
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":3}",
          "kv_connector_extra_config"},
-        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"send_type\":\"PUSH\"}}",
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":{\"send_type\":\"PUSH\"}}",
          "send_type"},
-        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"transport\":\"rdma\"}}",
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":{\"transport\":\"rdma\"}}",
          "transport"},
-        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"proxy_port\":\"x\"}}",
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":{\"proxy_port\":\"x\"}}",
          "proxy_port"},
-        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"proxy_ip\":\"1.2.3.4\"}}",
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":{\"proxy_ip\":\"1.2.3.4\"}}",
          "proxy_port"},
-        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"timeout_s\":0}}",
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":{\"timeout_s\":0}}",
          "timeout_s"},
-        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"nccl_num_channels\":\"1.5\"}}",
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":{\"nccl_num_channels\":\"1.5\"}}",
          "nccl_num_channels"},
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":{\"recv_into_pinned\":\"yes\"}}",
+         "recv_into_pinned"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         kv_transfer_config c;
