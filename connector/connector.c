@@ -502,16 +502,17 @@ static int write_layers(kv_connector *c, kv_load *l, const int32_t *block_table,
     meta.n_tokens = n_tokens;
     meta.slot_mapping = slots;
     void *stage = stage_bytes ? scratch_reserve(c, &c->rows_buf, stage_bytes, err) : NULL;
-    int rc = stage_bytes && !stage ? -1 : 0, wrote = 0;
+    int rc = stage_bytes && !stage ? -1 : 0, wrote = 0, queued = 0;
     for (int i = 0; i < c->layers && rc == 0; i++) {
         kv_load_layer *ly = &l->layer[i];
         if (!ly->taken || ly->written) continue;
         void *src = ly->tensor->data;
         if (!ly->tensor->on_device) {
-            rc = c->be->copy_h2d_async && pinned_payload(ly->tensor)
-                     ? c->be->copy_h2d_async(c->be, stage, src, ly->nbytes, err)
+            const bool dma = c->be->copy_h2d_async && pinned_payload(ly->tensor);
+            rc = dma ? c->be->copy_h2d_async(c->be, stage, src, ly->nbytes, err)
                      : c->be->copy_h2d(c->be, stage, src, ly->nbytes, err);
             if (rc != 0) break;
+            queued += dma;
             src = stage;
         }
         void *k, *v;
@@ -524,6 +525,7 @@ static int write_layers(kv_connector *c, kv_load *l, const int32_t *block_table,
     }
     pthread_mutex_lock(&c->mu);
     c->stats.layers_written += (uint64_t)wrote;
+    c->stats.layers_written_from_pinned += (uint64_t)queued;
     if (!l->applying) c->stats.layers_written_on_arrival += (uint64_t)wrote;
     pthread_mutex_unlock(&c->mu);
     pd_err sync_err = {{0}};

@@ -143,6 +143,9 @@ typedef struct kv_connector_stats {
     /* layers written into the cache, and of those the ones written as they
      * arrived (the request had its blocks while it waited) */
     uint64_t layers_written, layers_written_on_arrival;
+    /* of those, layers moved to the device by a queued copy from page-locked
+     * memory (recv_into_pinned); the rest, from host memory, by a blocking copy */
+    uint64_t layers_written_from_pinned;
     /* from the transfer engine, per tensor: */
     uint64_t sends_ok, sends_failed, recvs_ok, recvs_failed, retries, aborts;
     uint64_t bytes_sent, bytes_received;

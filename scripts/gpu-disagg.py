@@ -486,6 +486,9 @@ def main():
                 rows, agree, total = bench(a, urls)
                 px = http_text(urls["proxy"] + "/metrics")
                 s, n = metric_sum(px, "pdproxy_overhead_seconds_sum"), metric_sum(px, "pdproxy_overhead_seconds_count")
+                dm = http_text(urls["decode"] + "/metrics")
+                layers = {k: int(metric_sum(dm, "pdserve:kv_layers_written%s_total" % k))
+                          for k in ("", "_on_arrival", "_from_pinned")}
                 stack.check_alive()
                 stack.stop()
             except BaseException:
@@ -495,10 +498,13 @@ def main():
             print()
             print("proxy added latency: %.3f ms per request (pdproxy_overhead_seconds, %d requests)" % (
                 1e3 * s / max(n, 1), n))
+            print("decode instance: %d layers written into its cache, %d as they arrived, %d from page-locked "
+                  "memory by a queued copy (recv_into_pinned)" % (layers[""], layers["_on_arrival"],
+                                                                 layers["_from_pinned"]))
             print("speed-run outputs identical between 1P1D and colocated: %d/%d (%s; informational: in 16-bit "
                   "a near tie may flip)" % (agree, total, a.dtype))
             summary.update({"bench": rows, "bench_identical": agree, "bench_total": total,
-                            "proxy_overhead_ms": 1e3 * s / max(n, 1)})
+                            "proxy_overhead_ms": 1e3 * s / max(n, 1), "decode_layers_written": layers})
         ok = True
         summary["passed"] = True
     except KeyboardInterrupt:

@@ -237,6 +237,10 @@ static void kv_metrics(pd_buf *b, const metrics *m, const kv_connector_stats *kv
            "Of those, layers written as they arrived, while the request waited for the rest (its "
            "blocks were free).",
            (double)kv->layers_written_on_arrival);
+    sample(b, m, "pdserve:kv_layers_written_from_pinned_total", "counter",
+           "Of those, layers copied to the device from page-locked memory by a queued copy "
+           "(recv_into_pinned).",
+           (double)kv->layers_written_from_pinned);
 }
 
 char *metrics_render(metrics *m, const engine_stats *st, size_t *len) {

@@ -182,9 +182,11 @@ static void transfer(kv_send_type send, bool early, bool pinned, opt_model *m, p
            early, apply);
     /* Every layer written went through a queued copy from page-locked
      * memory when the consumer received into it, and none otherwise. */
-    CHECKF(queued_copies == (pinned ? (int)st.layers_written : 0),
-           "%d queued copies for %llu layers (pinned %d)", queued_copies,
-           (unsigned long long)st.layers_written, pinned);
+    CHECKF(queued_copies == (pinned ? (int)st.layers_written : 0) &&
+               st.layers_written_from_pinned == (uint64_t)queued_copies,
+           "%d queued copies, %llu counted, for %llu layers (pinned %d)", queued_copies,
+           (unsigned long long)st.layers_written_from_pinned, (unsigned long long)st.layers_written,
+           pinned);
     wrong = wrong_values(kv_p, kv_c, layers, dim, apply || early ? n - 1 : 0);
     CHECKF(wrong == 0, "%zu cache values wrong (send %s, early %d, n %d, apply %d)", wrong,
            kv_send_type_name(send), early, n, apply);
