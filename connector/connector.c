@@ -53,21 +53,39 @@ static void pool_raw_free(kv_host_pool *pl, pool_header *h) {
         pl->be->host_free(pl->be, h);
 }
 
-static void *pool_get(void *ctx, size_t nbytes) {
-    kv_host_pool *pl = ctx;
+static size_t pool_cap(size_t nbytes) {
     size_t cap = (size_t)1 << 16;
     while (cap < nbytes)
         cap <<= 1;
+    return cap;
+}
+
+/* An idle buffer of this capacity, page-locked if there is one, or NULL. */
+static void *pool_take_idle(kv_host_pool *pl, size_t cap) {
     pthread_mutex_lock(&pl->mu);
+    int pick = -1;
     for (int i = 0; i < pl->n_idle; i++) {
-        pool_header *h = pl->idle[i];
-        if (h->cap != cap) continue;
-        pl->idle[i] = pl->idle[--pl->n_idle];
-        if (!h->pinned) pl->idle_bytes -= cap;
-        pthread_mutex_unlock(&pl->mu);
-        return h + 1;
+        const pool_header *h = pl->idle[i];
+        if (h->cap != cap || (pick >= 0 && !h->pinned)) continue;
+        pick = i;
+        if (h->pinned) break;
     }
-    /* A new buffer: first make room for it in the idle list. */
+    pool_header *h = NULL;
+    if (pick >= 0) {
+        h = pl->idle[pick];
+        pl->idle[pick] = pl->idle[--pl->n_idle];
+        if (!h->pinned) pl->idle_bytes -= cap;
+    }
+    pthread_mutex_unlock(&pl->mu);
+    return h ? h + 1 : NULL;
+}
+
+/* A new buffer, page-locked when may_pin and the backend has such memory
+ * within pinned_limit. Only the engine thread may pass may_pin: the backend's
+ * host_alloc may not run beside its other calls. */
+static void *pool_new(kv_host_pool *pl, size_t cap, bool may_pin) {
+    pthread_mutex_lock(&pl->mu);
+    /* First make room for it in the idle list. */
     if (pl->n_total == pl->cap_idle) {
         int n = pl->cap_idle ? 2 * pl->cap_idle : 16;
         void **grown = realloc(pl->idle, sizeof *grown * (size_t)n);
@@ -78,7 +96,7 @@ static void *pool_get(void *ctx, size_t nbytes) {
         pl->idle = grown;
         pl->cap_idle = n;
     }
-    const bool pin = pl->be->host_alloc && pl->pinned_bytes + cap <= pl->pinned_limit;
+    const bool pin = may_pin && pl->be->host_alloc && pl->pinned_bytes + cap <= pl->pinned_limit;
     if (pin) pl->pinned_bytes += cap; /* claimed now, given back if the allocation fails */
     pl->n_total++;
     pthread_mutex_unlock(&pl->mu);
@@ -98,6 +116,24 @@ static void *pool_get(void *ctx, size_t nbytes) {
     return h + 1;
 }
 
+/* p2p_config.host_alloc: buffers the engine thread sends from. */
+static void *pool_get(void *ctx, size_t nbytes) {
+    kv_host_pool *pl = ctx;
+    const size_t cap = pool_cap(nbytes);
+    void *p = pool_take_idle(pl, cap);
+    return p ? p : pool_new(pl, cap, true);
+}
+
+/* p2p_config.recv_alloc (recv_into_pinned): called on the transfer engine's
+ * thread, so it never asks the backend for memory: an idle buffer (the
+ * page-locked ones kv_connector_load_begin set out), else an ordinary one. */
+static void *pool_get_received(void *ctx, size_t nbytes) {
+    kv_host_pool *pl = ctx;
+    const size_t cap = pool_cap(nbytes);
+    void *p = pool_take_idle(pl, cap);
+    return p ? p : pool_new(pl, cap, false);
+}
+
 static void pool_put(void *ctx, void *payload) {
     kv_host_pool *pl = ctx;
     if (!payload) return;
@@ -112,6 +148,28 @@ static void pool_put(void *ctx, void *payload) {
     pl->n_total--;
     pthread_mutex_unlock(&pl->mu);
     free(h); /* ordinary memory: any thread may */
+}
+
+/* Engine thread, before a load whose layers come as nbytes each
+ * (recv_into_pinned): set out idle page-locked buffers of that size for
+ * them, up to count in all and within pinned_limit, so that the transfer
+ * engine's thread finds page-locked memory without asking the backend. */
+static void pool_prepare(kv_host_pool *pl, size_t nbytes, int count) {
+    const size_t cap = pool_cap(nbytes);
+    int have = 0;
+    pthread_mutex_lock(&pl->mu);
+    for (int i = 0; i < pl->n_idle; i++) {
+        const pool_header *h = pl->idle[i];
+        have += h->cap == cap && h->pinned;
+    }
+    pthread_mutex_unlock(&pl->mu);
+    for (; have < count; have++) {
+        void *p = pool_new(pl, cap, true);
+        if (!p) return;
+        const bool pinned = ((pool_header *)p - 1)->pinned;
+        pool_put(pl, p);
+        if (!pinned) return; /* at the limit: the rest arrive in ordinary memory */
+    }
 }
 
 /* Every buffer must be back (the transfer engine destroyed first). */
@@ -235,8 +293,10 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
         .host_alloc = pool_get,
         .host_free = pool_put,
         .host_ctx = &c->pool,
-        .recv_into_host_alloc = c->cfg.recv_into_pinned && c->cfg.role != KV_ROLE_PRODUCER &&
-                                c->cfg.transport == KV_TRANSPORT_TCP,
+        .recv_alloc = c->cfg.recv_into_pinned && c->cfg.role != KV_ROLE_PRODUCER &&
+                              c->cfg.transport == KV_TRANSPORT_TCP
+                          ? pool_get_received
+                          : NULL,
         .on_arrival = on_kv_arrival,
         .arrival_ctx = ctx,
     };
@@ -251,7 +311,7 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
            kv_role_name(cfg->role), p2p_address(c->p2p), kv_send_type_name(cfg->send_type),
            cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp", cfg->kv_buffer_size,
            cfg->timeout_s,
-           pc.recv_into_host_alloc
+           pc.recv_alloc
                ? (be->host_alloc
                       ? ", receiving into page-locked memory"
                       : ", receiving into the host pool (this backend has no page-locked memory)")
@@ -451,6 +511,15 @@ int kv_connector_load_begin(kv_connector *c, const kv_request_params *params, in
     }
     l->params = *params;
     l->n_prompt = n_prompt;
+    /* recv_into_pinned: page-locked buffers for this prompt's layers, set
+     * out here because the transfer engine's thread may not allocate them.
+     * Layers that arrived before (PUT sends before the decode instance sees
+     * the request) are in ordinary memory; the next request of this size
+     * finds these. With requests in flight, some of the buffers are in use,
+     * and the pool grows to what they hold at once (up to pinned_limit). */
+    if (c->cfg.recv_into_pinned && c->be->host_alloc && c->cfg.transport == KV_TRANSPORT_TCP)
+        pool_prepare(&c->pool, 2 * (size_t)n_prompt * (size_t)c->kv_dim * c->be->elem_size,
+                     c->layers);
     snprintf(l->tag, sizeof l->tag, "%s", request_tag ? request_tag : "");
     l->started = pd_now();
     l->deadline = l->started + c->cfg.timeout_s;

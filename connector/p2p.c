@@ -197,6 +197,7 @@ int p2p_create(const p2p_config *cfg, p2p_engine **out, pd_err *err) {
         return pd_fail(err, "kv_ip \"%s\" is too long", cfg->kv_ip);
     if (!cfg->host_alloc != !cfg->host_free)
         return pd_fail(err, "host_alloc and host_free come together (one of them is missing)");
+    if (cfg->recv_alloc && !cfg->host_free) return pd_fail(err, "recv_alloc needs host_free");
     if (cfg->transport == P2P_NCCL && p2p_nccl_use_device(cfg->nccl_device, err) != 0) return -1;
 
     p2p_engine *e = calloc(1, sizeof *e);

@@ -48,12 +48,13 @@ typedef struct p2p_config {
     void *(*host_alloc)(void *ctx, size_t nbytes);
     void (*host_free)(void *ctx, void *p);
     void *host_ctx;
-    /* Addition (tcp): copy each received tensor out of ZMQ's frame into a
-     * buffer from host_alloc, on the I/O thread, so a consumer whose
-     * host_alloc memory is page-locked can move it to the device by DMA
-     * without its own thread waiting on the copy. Off: ZMQ's frame is kept
-     * (no copy). The tensor's from_host_alloc says which it got. */
-    bool recv_into_host_alloc;
+    /* Addition (tcp): when set, each received tensor is copied out of ZMQ's
+     * frame into a buffer from recv_alloc (host_ctx; freed with host_free),
+     * on the I/O thread, so a consumer can hand page-locked memory to a
+     * device copy without its own thread copying. It runs on the I/O thread
+     * and must not block. NULL, or NULL returned: ZMQ's frame is kept (no
+     * copy). The tensor's from_host_alloc says which it got. */
+    void *(*recv_alloc)(void *ctx, size_t nbytes);
     /* Addition: called on this transfer engine's I/O thread, with its mutex
      * released, after received tensors became ready to take or failed, so a
      * consumer waiting for them can look at once instead of on a timer. It
@@ -73,7 +74,7 @@ typedef struct p2p_tensor { /* a received tensor, owned by the caller after p2p_
     void *data; /* host memory, 8-byte aligned (tcp), or device memory (nccl); NULL when
                  * nbytes == 0 */
     bool on_device;
-    bool from_host_alloc; /* data came from p2p_config.host_alloc (recv_into_host_alloc) */
+    bool from_host_alloc; /* data came from p2p_config.recv_alloc */
 } p2p_tensor;
 
 /* Binds the ROUTER and starts the I/O thread. */

@@ -182,7 +182,7 @@ void p2p_queue_abort(p2p_engine *e, const char *peer, const char *id);
 void p2p_rx_fail(p2p_engine *e, const char *id, const char *peer, const pd_err *why);
 p2p_rx *p2p_rx_lookup(p2p_engine *e, const char *id);
 /* A received tensor around a ZMQ frame (kept when suitably aligned, else
- * copied; copied into host_alloc memory under recv_into_host_alloc) or a
+ * copied; copied into recv_alloc memory where that is set) or a
  * device buffer. */
 p2p_rx_tensor *p2p_rx_tensor_make(const p2p_engine *e, const char *id, const p2p_meta *meta,
                                   zmq_msg_t *frame, void *dev_buf);

@@ -107,9 +107,7 @@ p2p_rx_tensor *p2p_rx_tensor_make(const p2p_engine *e, const char *id, const p2p
         zmq_msg_init(&t->msg);
         zmq_msg_move(&t->msg, frame);
         void *p = zmq_msg_data(&t->msg);
-        void *own = e->cfg.recv_into_host_alloc && e->cfg.host_alloc
-                        ? e->cfg.host_alloc(e->cfg.host_ctx, meta->nbytes)
-                        : NULL;
+        void *own = e->cfg.recv_alloc ? e->cfg.recv_alloc(e->cfg.host_ctx, meta->nbytes) : NULL;
         if (own) { /* else (none to spare) as without the option */
             memcpy(own, p, meta->nbytes);
             zmq_msg_close(&t->msg);
