@@ -539,6 +539,12 @@ int kv_connector_load_begin(kv_connector *c, const kv_request_params *params, in
     return 0;
 }
 
+/* A received tensor in a page-locked buffer of the host pool: the backend
+ * can queue its copy to the device (DMA) instead of copying it now. */
+static bool pinned_payload(const p2p_tensor *t) {
+    return t->from_host_alloc && ((const pool_header *)t->data - 1)->pinned;
+}
+
 /* Write every taken, not yet written layer's first n_tokens tokens into the
  * cache at block_table, then free those tensors (after the sync nothing
  * reads them). Returns how many layers it wrote, or -1. Host bytes (tcp) go
@@ -546,12 +552,6 @@ int kv_connector_load_begin(kv_connector *c, const kv_request_params *params, in
  * stream, so the kv_write before it has read the buffer by then; a queued
  * copy from page-locked memory (recv_into_pinned) is ordered after it on the
  * same stream. Device bytes (nccl) are read where they arrived. */
-/* A received tensor in a page-locked buffer of the host pool: the backend
- * can queue its copy to the device (DMA) instead of copying it now. */
-static bool pinned_payload(const p2p_tensor *t) {
-    return t->from_host_alloc && ((const pool_header *)t->data - 1)->pinned;
-}
-
 static int write_layers(kv_connector *c, kv_load *l, const int32_t *block_table, int n_tokens,
                         pd_err *err) {
     size_t stage_bytes = 0;
