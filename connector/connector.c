@@ -316,6 +316,11 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
                       ? ", receiving into page-locked memory"
                       : ", receiving into the host pool (this backend has no page-locked memory)")
                : "");
+    if (cfg->recv_into_pinned && !pc.recv_alloc)
+        pd_log(PD_LOG_WARN,
+               "kv connector: recv_into_pinned is ignored on a %s with transport %s (it is for a "
+               "consumer's KV arriving over tcp)",
+               kv_role_name(cfg->role), cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp");
     *out = c;
     return 0;
 }
