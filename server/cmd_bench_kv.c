@@ -29,7 +29,7 @@
 #include "server/serve_options.h"
 
 typedef struct bench_kv_opts {
-    int layers, heads, head_dim, reps, help;
+    int layers, heads, head_dim, reps, recv_copy, help;
     const char *tokens, *dtype, *device, *transport;
 } bench_kv_opts;
 
@@ -48,6 +48,9 @@ static const cli_option bench_kv_table[] = {
      "where the KV lives for tcp: cpu, or cuda / cuda:N (staged through host memory)"},
     {"transport", CLI_STR, offsetof(bench_kv_opts, transport), "tcp", 1, 0,
      "tcp, nccl or tcp,nccl (nccl: GPU 0 to GPU 1)"},
+    {"recv-copy", CLI_BOOL, offsetof(bench_kv_opts, recv_copy), "false", 1, 0,
+     "tcp: the consumer copies each received tensor out of ZMQ's frame on its I/O thread, as "
+     "recv_into_pinned does (into ordinary memory here): what that copy costs the transfer"},
     {"help", CLI_BOOL, offsetof(bench_kv_opts, help), "false", 1, 0, "show this help"},
 };
 
@@ -139,6 +142,16 @@ typedef struct bench_run {
     size_t elem;
     const char *dtype;
 } bench_run;
+
+/* --recv-copy: where the consumer copies received tensors to. */
+static void *recv_copy_alloc(void *ctx, size_t nbytes) {
+    (void)ctx;
+    return malloc(nbytes ? nbytes : 1);
+}
+static void recv_copy_free(void *ctx, void *p) {
+    (void)ctx;
+    free(p);
+}
 
 /* Producer-side buffer for one layer, in the memory the send type hands over:
  * the engine owns what it sends in the background (malloc'd for tcp, device
@@ -303,6 +316,10 @@ static int bench_length(const bench_run *br, int tokens, const double link[2], p
             rc = -1;
         } else {
             pc.nccl_device = br->transport == P2P_NCCL ? 1 : 0;
+            if (br->o->recv_copy && br->transport == P2P_TCP) {
+                pc.host_alloc = pc.recv_alloc = recv_copy_alloc;
+                pc.host_free = recv_copy_free;
+            }
             if (p2p_create(&pc, &cons, err) != 0) rc = -1;
         }
         double best = 1e30;
@@ -413,8 +430,9 @@ int cmd_bench_kv(int argc, char **argv) {
         fprintf(stderr, "pdserve bench-kv: --device %s: %s\n", o.device, err.msg);
         return 1;
     }
-    printf("KV of one request: %d layers x [2, tokens, %d, %d] %s; best of %d\n", o.layers, o.heads,
-           o.head_dim, o.dtype, o.reps);
+    printf("KV of one request: %d layers x [2, tokens, %d, %d] %s; best of %d%s\n", o.layers,
+           o.heads, o.head_dim, o.dtype, o.reps,
+           o.recv_copy ? "; the consumer copies each tensor out of ZMQ's frame (--recv-copy)" : "");
     double loop[2] = {0, 0}; /* cache-hot, cache-cold */
     if (want_tcp) {
         for (int r = 0; r < 3; r++) {
