@@ -259,7 +259,9 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
      * prompts' KV of a small model in flight, without pinning much of the
      * host (what is over the limits is ordinary memory, freed once sent). */
     c->pool.idle_limit = (size_t)1 << 30;
-    c->pool.pinned_limit = (size_t)1 << 30;
+    /* mem_pool_size_gb 0 (a config not from kv_transfer_config_parse): 1 GiB */
+    c->pool.pinned_limit =
+        (size_t)((c->cfg.mem_pool_size_gb > 0 ? c->cfg.mem_pool_size_gb : 1) * (double)(1u << 30));
     const opt_config *mc = opt_model_config(model);
     c->layers = mc->num_hidden_layers;
     c->kv_dim = mc->hidden_size;

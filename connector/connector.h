@@ -51,6 +51,9 @@ typedef struct kv_transfer_config {
      * layer into page-locked memory on the transfer engine's thread, so its
      * engine thread queues a DMA instead of a pageable copy (docs/disaggregation.md) */
     bool recv_into_pinned;
+    /* vLLM's key: the page-locked memory the connector's host pool may hold
+     * (vLLM: 32, allocated at start; pdserve: 1, allocated as needed) */
+    double mem_pool_size_gb;
 } kv_transfer_config;
 
 /* Parse and validate the JSON text of --kv-transfer-config. Wrong types or

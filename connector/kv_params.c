@@ -96,7 +96,13 @@ static int parse_extra(const cJSON *extra, kv_transfer_config *c, pd_err *err) {
                                "must be true or false");
             c->recv_into_pinned = cJSON_IsTrue(v);
         } else if (!strcmp(k, "mem_pool_size_gb")) {
-            pd_log(PD_LOG_INFO, "kv-transfer-config: kv_connector_extra_config.mem_pool_size_gb is accepted and ignored (pdserve needs no pinned pool on the CPU)");
+            if (json_number(v, "kv_connector_extra_config.mem_pool_size_gb", &d, err)) return -1;
+            if (!(d > 0 && d <= 1024))
+                return pd_fail(err,
+                               "--kv-transfer-config: kv_connector_extra_config.mem_pool_size_gb "
+                               "must be in (0, 1024], got %g",
+                               d);
+            c->mem_pool_size_gb = d;
         } else {
             pd_log(PD_LOG_WARN, "kv-transfer-config: unknown key kv_connector_extra_config.%s ignored", k);
         }
@@ -113,6 +119,7 @@ int kv_transfer_config_parse(const char *json, kv_transfer_config *c, pd_err *er
     c->nccl_num_channels = 8;
     c->timeout_s = 30;
     c->announce_interval_s = 3;
+    c->mem_pool_size_gb = 1;
     cJSON *root = cJSON_Parse(json);
     if (!cJSON_IsObject(root)) {
         cJSON_Delete(root);

@@ -26,7 +26,12 @@ static void config_ok(void) {
               "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","
               "\"kv_connector_extra_config\":{\"recv_into_pinned\":true}}",
               &c, &err) == 0 &&
-          c.recv_into_pinned);
+          c.recv_into_pinned && c.mem_pool_size_gb == 1);
+    CHECK(kv_transfer_config_parse(
+              "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","
+              "\"kv_connector_extra_config\":{\"mem_pool_size_gb\":\"32\"}}",
+              &c, &err) == 0 &&
+          c.mem_pool_size_gb == 32);
     CHECK(kv_transfer_config_parse("{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_buffer_size\":5e9,"
                                    "\"kv_connector_extra_config\":{\"send_type\":\"GET\",\"transport\":\"nccl\","
                                    "\"timeout_s\":2.5},\"kv_rank\":0,\"future_key\":1}",
@@ -75,6 +80,9 @@ static void config_bad(void) {
         {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
          "config\":{\"recv_into_pinned\":\"yes\"}}",
          "recv_into_pinned"},
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":{\"mem_pool_size_gb\":0}}",
+         "mem_pool_size_gb"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         kv_transfer_config c;
