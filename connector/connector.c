@@ -27,9 +27,10 @@
  * 64 KiB so buffers of similar requests fit each other. Buffers are taken on
  * the engine thread and given back by the transfer engine from its own
  * threads once sent, hence the lock; a page-locked buffer is only ever
- * freed at destroy (the backend's host_free may not run beside its other
- * calls), which pinned_limit bounds. Ordinary ones beyond idle_limit are
- * freed when given back. */
+ * freed on the engine thread (the backend's host_free may not run beside
+ * its other calls): at destroy, or to make room for another size
+ * (pool_evict_pinned). pinned_limit bounds them. Ordinary ones beyond
+ * idle_limit are freed when given back. */
 typedef struct kv_host_pool {
     pthread_mutex_t mu;
     pd_backend *be;
@@ -150,10 +151,34 @@ static void pool_put(void *ctx, void *payload) {
     free(h); /* ordinary memory: any thread may */
 }
 
+/* Engine thread: free idle page-locked buffers of other sizes than cap
+ * until one of cap fits within pinned_limit, or none is left to free, so
+ * that the size of the requests coming now gets the page-locked memory
+ * rather than the size of earlier ones. */
+static void pool_evict_pinned(kv_host_pool *pl, size_t cap) {
+    for (;;) {
+        pool_header *victim = NULL;
+        pthread_mutex_lock(&pl->mu);
+        for (int i = 0; pl->pinned_bytes + cap > pl->pinned_limit && i < pl->n_idle; i++) {
+            pool_header *h = pl->idle[i];
+            if (!h->pinned || h->cap == cap) continue;
+            victim = h;
+            pl->idle[i] = pl->idle[--pl->n_idle];
+            pl->n_total--;
+            pl->pinned_bytes -= h->cap;
+            break;
+        }
+        pthread_mutex_unlock(&pl->mu);
+        if (!victim) return;
+        pool_raw_free(pl, victim);
+    }
+}
+
 /* Engine thread, before a load whose layers come as nbytes each
  * (recv_into_pinned): set out idle page-locked buffers of that size for
- * them, up to count in all and within pinned_limit, so that the transfer
- * engine's thread finds page-locked memory without asking the backend. */
+ * them, up to count in all and within pinned_limit (freeing idle ones of
+ * other sizes for room), so that the transfer engine's thread finds
+ * page-locked memory without asking the backend. */
 static void pool_prepare(kv_host_pool *pl, size_t nbytes, int count) {
     const size_t cap = pool_cap(nbytes);
     int have = 0;
@@ -164,6 +189,7 @@ static void pool_prepare(kv_host_pool *pl, size_t nbytes, int count) {
     }
     pthread_mutex_unlock(&pl->mu);
     for (; have < count; have++) {
+        pool_evict_pinned(pl, cap);
         void *p = pool_new(pl, cap, true);
         if (!p) return;
         const bool pinned = ((pool_header *)p - 1)->pinned;

@@ -232,6 +232,65 @@ out:
     opt_kv_storage_free(kv_p);
 }
 
+/* recv_into_pinned with room for 256 KiB of page-locked memory
+ * (mem_pool_size_gb): a load of 64 KiB layers sets out two buffers of that
+ * size; then a load of 128 KiB layers must get page-locked buffers too (the
+ * idle smaller ones are freed for room), not ordinary memory. GET, so the
+ * buffers are set out before the layers come. */
+static void pinned_size_classes(opt_model *m, pd_backend *be) {
+    enum { BLOCKS = 32 };
+    const int layers = opt_model_config(m)->num_hidden_layers;
+    opt_kv_storage *kv_p = NULL, *kv_c = NULL;
+    pd_err err = {{0}};
+    CHECKF(opt_kv_storage_create(m, BLOCKS, BLOCK_SIZE, &kv_p, &err) == 0, "%s", err.msg);
+    CHECKF(opt_kv_storage_create(m, BLOCKS, BLOCK_SIZE, &kv_c, &err) == 0, "%s", err.msg);
+    pool_gb = 262144.0 / (1u << 30);
+    kv_connector *prod = kv_p ? connector(KV_ROLE_PRODUCER, KV_SEND_GET, true, m, kv_p, be) : NULL;
+    kv_connector *cons = kv_c ? connector(KV_ROLE_CONSUMER, KV_SEND_GET, true, m, kv_c, be) : NULL;
+    pool_gb = 0;
+    int32_t table[BLOCKS];
+    for (int i = 0; i < BLOCKS; i++)
+        table[i] = i;
+    /* tiny, fp32: 512 bytes a token a layer: 21 tokens in the 64 KiB class, 200 in the 128 KiB */
+    const int lengths[2] = {21, 200};
+    for (int k = 0; prod && cons && k < 2; k++) {
+        const int n = lengths[k];
+        kv_request_params sp;
+        memset(&sp, 0, sizeof sp);
+        sp.present = sp.do_remote_decode = true;
+        snprintf(sp.remote_kv_addr, sizeof sp.remote_kv_addr, "%s", kv_connector_address(cons));
+        kv_save_result saved;
+        CHECKF(kv_connector_save(prod, &sp, table, n, "classes", &saved, &err) == 0, "%s", err.msg);
+        kv_request_params lp;
+        memset(&lp, 0, sizeof lp);
+        lp.present = lp.do_remote_prefill = true;
+        snprintf(lp.remote_kv_addr, sizeof lp.remote_kv_addr, "%s", saved.kv_addr);
+        snprintf(lp.remote_request_id, sizeof lp.remote_request_id, "%s", saved.transfer_id);
+        kv_connector_stats st0, st;
+        kv_connector_stats_get(cons, &st0);
+        kv_load *load = NULL;
+        CHECKF(kv_connector_load_begin(cons, &lp, n, "classes", &load, &err) == 0, "%s", err.msg);
+        int got = 0, status = 0;
+        for (double end = pd_now() + 10; load && got == 0 && pd_now() < end;) {
+            got = kv_connector_load_poll(cons, load, NULL, &status, &err);
+            if (got == 0) usleep(500);
+        }
+        CHECKF(got == 1, "load_poll %d: %s", got, err.msg);
+        if (got == 1)
+            CHECKF(kv_connector_load_apply(cons, load, table, n - 1, &err) == 0, "%s", err.msg);
+        kv_connector_load_end(cons, load);
+        kv_connector_stats_get(cons, &st);
+        CHECKF(st.layers_written_from_pinned - st0.layers_written_from_pinned == (uint64_t)layers,
+               "%d-token load: %llu of %d layers from page-locked memory", n,
+               (unsigned long long)(st.layers_written_from_pinned - st0.layers_written_from_pinned),
+               layers);
+    }
+    kv_connector_destroy(cons);
+    kv_connector_destroy(prod);
+    opt_kv_storage_free(kv_c);
+    opt_kv_storage_free(kv_p);
+}
+
 int main(void) {
     main_thread = pthread_self();
     char dir[512];
@@ -264,6 +323,7 @@ int main(void) {
     pool_gb = 65536.0 / (1u << 30);
     if (m) transfer(KV_SEND_GET, true, true, m, be, 21, true);
     pool_gb = 0;
+    if (m) pinned_size_classes(m, be);
     CHECKF(atomic_load(&foreign_host_allocs) == 0,
            "host_alloc called %d times off the connector's thread",
            atomic_load(&foreign_host_allocs));
