@@ -218,6 +218,8 @@ struct kv_connector {
     pd_backend *be;
     p2p_engine *p2p;
     kv_host_pool pool; /* tcp send buffers (outlives p2p) */
+    /* recv_into_pinned in effect: a consumer on tcp receives into the pool */
+    bool recv_into_pool;
     char fingerprint[256];
     char id_prefix[40]; /* random per process: transfer ids are unique per producer */
     uint64_t counter;   /* engine thread only */
@@ -288,6 +290,8 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
     /* mem_pool_size_gb 0 (a config not from kv_transfer_config_parse): 1 GiB */
     c->pool.pinned_limit =
         (size_t)((c->cfg.mem_pool_size_gb > 0 ? c->cfg.mem_pool_size_gb : 1) * (double)(1u << 30));
+    c->recv_into_pool = cfg->recv_into_pinned && cfg->role != KV_ROLE_PRODUCER &&
+                        cfg->transport == KV_TRANSPORT_TCP;
     const opt_config *mc = opt_model_config(model);
     c->layers = mc->num_hidden_layers;
     c->kv_dim = mc->hidden_size;
@@ -321,10 +325,7 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
         .host_alloc = pool_get,
         .host_free = pool_put,
         .host_ctx = &c->pool,
-        .recv_alloc = c->cfg.recv_into_pinned && c->cfg.role != KV_ROLE_PRODUCER &&
-                              c->cfg.transport == KV_TRANSPORT_TCP
-                          ? pool_get_received
-                          : NULL,
+        .recv_alloc = c->recv_into_pool ? pool_get_received : NULL,
         .on_arrival = on_kv_arrival,
         .arrival_ctx = ctx,
     };
@@ -339,12 +340,12 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
            kv_role_name(cfg->role), p2p_address(c->p2p), kv_send_type_name(cfg->send_type),
            cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp", cfg->kv_buffer_size,
            cfg->timeout_s,
-           pc.recv_alloc
+           c->recv_into_pool
                ? (be->host_alloc
                       ? ", receiving into page-locked memory"
                       : ", receiving into the host pool (this backend has no page-locked memory)")
                : "");
-    if (cfg->recv_into_pinned && !pc.recv_alloc)
+    if (cfg->recv_into_pinned && !c->recv_into_pool)
         pd_log(PD_LOG_WARN,
                "kv connector: recv_into_pinned is ignored on a %s with transport %s (it is for a "
                "consumer's KV arriving over tcp)",
@@ -550,7 +551,7 @@ int kv_connector_load_begin(kv_connector *c, const kv_request_params *params, in
      * the request) are in ordinary memory; the next request of this size
      * finds these. With requests in flight, some of the buffers are in use,
      * and the pool grows to what they hold at once (up to pinned_limit). */
-    if (c->cfg.recv_into_pinned && c->be->host_alloc && c->cfg.transport == KV_TRANSPORT_TCP)
+    if (c->recv_into_pool && c->be->host_alloc)
         pool_prepare(&c->pool, 2 * (size_t)n_prompt * (size_t)c->kv_dim * c->be->elem_size,
                      c->layers);
     snprintf(l->tag, sizeof l->tag, "%s", request_tag ? request_tag : "");

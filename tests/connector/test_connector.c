@@ -126,6 +126,36 @@ static size_t wrong_values(const opt_kv_storage *kv_p, const opt_kv_storage *kv_
     return wrong;
 }
 
+/* Save n tokens from prod_blocks on prod, begin their load on cons and poll
+ * it (with poll_table, which may be NULL) until everything arrived. Returns
+ * load_poll's last answer (1: all in); *load is for the caller to end. */
+static int send_and_receive(kv_connector *prod, kv_connector *cons, const int32_t *prod_blocks,
+                            int n, const int32_t *poll_table, kv_load **load) {
+    pd_err err = {{0}};
+    kv_request_params sp;
+    memset(&sp, 0, sizeof sp);
+    sp.present = sp.do_remote_decode = true;
+    snprintf(sp.remote_kv_addr, sizeof sp.remote_kv_addr, "%s", kv_connector_address(cons));
+    kv_save_result saved;
+    CHECKF(kv_connector_save(prod, &sp, prod_blocks, n, "test", &saved, &err) == 0, "%s", err.msg);
+    CHECK(saved.num_tokens == n);
+
+    kv_request_params lp;
+    memset(&lp, 0, sizeof lp);
+    lp.present = lp.do_remote_prefill = true;
+    snprintf(lp.remote_kv_addr, sizeof lp.remote_kv_addr, "%s", saved.kv_addr);
+    snprintf(lp.remote_request_id, sizeof lp.remote_request_id, "%s", saved.transfer_id);
+    *load = NULL;
+    CHECKF(kv_connector_load_begin(cons, &lp, n, "test", load, &err) == 0, "%s", err.msg);
+    int got = 0, status = 0;
+    for (double end = pd_now() + 10; *load && got == 0 && pd_now() < end;) {
+        got = kv_connector_load_poll(cons, *load, poll_table, &status, &err);
+        if (got == 0) usleep(500);
+    }
+    CHECKF(got == 1, "load_poll %d: %s", got, err.msg);
+    return got;
+}
+
 /* One prompt of n tokens from the producer's blocks into the consumer's;
  * early: the consumer's blocks go to load_poll; pinned: the consumer
  * receives into (emulated) page-locked memory and queues its copies;
@@ -154,28 +184,9 @@ static void transfer(kv_send_type send, bool early, bool pinned, opt_model *m, p
         kv_connector_stats st0;
         kv_connector_stats_get(cons, &st0);
         queued_copies = 0;
-        kv_request_params sp;
-        memset(&sp, 0, sizeof sp);
-        sp.present = sp.do_remote_decode = true;
-        snprintf(sp.remote_kv_addr, sizeof sp.remote_kv_addr, "%s", kv_connector_address(cons));
-        kv_save_result saved;
-        CHECKF(kv_connector_save(prod, &sp, prod_table, n, "test", &saved, &err) == 0, "%s",
-               err.msg);
-        CHECK(saved.num_tokens == n);
-
-        kv_request_params lp;
-        memset(&lp, 0, sizeof lp);
-        lp.present = lp.do_remote_prefill = true;
-        snprintf(lp.remote_kv_addr, sizeof lp.remote_kv_addr, "%s", saved.kv_addr);
-        snprintf(lp.remote_request_id, sizeof lp.remote_request_id, "%s", saved.transfer_id);
         kv_load *load = NULL;
-        CHECKF(kv_connector_load_begin(cons, &lp, n, "test", &load, &err) == 0, "%s", err.msg);
-        int got = 0, status = 0;
-        for (double end = pd_now() + 10; load && got == 0 && pd_now() < end;) {
-            got = kv_connector_load_poll(cons, load, early ? cons_table : NULL, &status, &err);
-            if (got == 0) usleep(500);
-        }
-        CHECKF(got == 1, "load_poll %d: %s", got, err.msg);
+        const int got =
+            send_and_receive(prod, cons, prod_table, n, early ? cons_table : NULL, &load);
 
         /* Written as they arrived: the cache is complete and the received tensors
          * are freed before load_apply. Otherwise neither, until then. */
@@ -255,28 +266,10 @@ static void pinned_size_classes(opt_model *m, pd_backend *be) {
     const int lengths[2] = {21, 200};
     for (int k = 0; prod && cons && k < 2; k++) {
         const int n = lengths[k];
-        kv_request_params sp;
-        memset(&sp, 0, sizeof sp);
-        sp.present = sp.do_remote_decode = true;
-        snprintf(sp.remote_kv_addr, sizeof sp.remote_kv_addr, "%s", kv_connector_address(cons));
-        kv_save_result saved;
-        CHECKF(kv_connector_save(prod, &sp, table, n, "classes", &saved, &err) == 0, "%s", err.msg);
-        kv_request_params lp;
-        memset(&lp, 0, sizeof lp);
-        lp.present = lp.do_remote_prefill = true;
-        snprintf(lp.remote_kv_addr, sizeof lp.remote_kv_addr, "%s", saved.kv_addr);
-        snprintf(lp.remote_request_id, sizeof lp.remote_request_id, "%s", saved.transfer_id);
         kv_connector_stats st0, st;
         kv_connector_stats_get(cons, &st0);
         kv_load *load = NULL;
-        CHECKF(kv_connector_load_begin(cons, &lp, n, "classes", &load, &err) == 0, "%s", err.msg);
-        int got = 0, status = 0;
-        for (double end = pd_now() + 10; load && got == 0 && pd_now() < end;) {
-            got = kv_connector_load_poll(cons, load, NULL, &status, &err);
-            if (got == 0) usleep(500);
-        }
-        CHECKF(got == 1, "load_poll %d: %s", got, err.msg);
-        if (got == 1)
+        if (send_and_receive(prod, cons, table, n, NULL, &load) == 1)
             CHECKF(kv_connector_load_apply(cons, load, table, n - 1, &err) == 0, "%s", err.msg);
         kv_connector_load_end(cons, load);
         kv_connector_stats_get(cons, &st);
