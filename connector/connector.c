@@ -38,6 +38,7 @@ typedef struct kv_host_pool {
     int n_idle, n_total, cap_idle;     /* cap_idle >= n_total: a give-back never grows it */
     size_t idle_bytes, idle_limit;     /* ordinary idle bytes, and their limit */
     size_t pinned_bytes, pinned_limit; /* page-locked capacity, idle or in use */
+    size_t pageable_bytes;             /* ordinary capacity, idle or in use */
 } kv_host_pool;
 
 /* What precedes each payload; 64 bytes keep the payload 64-byte aligned. */
@@ -61,13 +62,14 @@ static size_t pool_cap(size_t nbytes) {
     return cap;
 }
 
-/* An idle buffer of this capacity, page-locked if there is one, or NULL. */
-static void *pool_take_idle(kv_host_pool *pl, size_t cap) {
+/* An idle buffer of this capacity, page-locked if there is one (only a
+ * page-locked one when pinned_only), or NULL. */
+static void *pool_take_idle(kv_host_pool *pl, size_t cap, bool pinned_only) {
     pthread_mutex_lock(&pl->mu);
     int pick = -1;
     for (int i = 0; i < pl->n_idle; i++) {
         const pool_header *h = pl->idle[i];
-        if (h->cap != cap || (pick >= 0 && !h->pinned)) continue;
+        if (h->cap != cap || ((pick >= 0 || pinned_only) && !h->pinned)) continue;
         pick = i;
         if (h->pinned) break;
     }
@@ -114,6 +116,11 @@ static void *pool_new(kv_host_pool *pl, size_t cap, bool may_pin) {
     }
     h->cap = cap;
     h->pinned = pinned;
+    if (!pinned) {
+        pthread_mutex_lock(&pl->mu);
+        pl->pageable_bytes += cap;
+        pthread_mutex_unlock(&pl->mu);
+    }
     return h + 1;
 }
 
@@ -121,18 +128,25 @@ static void *pool_new(kv_host_pool *pl, size_t cap, bool may_pin) {
 static void *pool_get(void *ctx, size_t nbytes) {
     kv_host_pool *pl = ctx;
     const size_t cap = pool_cap(nbytes);
-    void *p = pool_take_idle(pl, cap);
+    void *p = pool_take_idle(pl, cap, false);
     return p ? p : pool_new(pl, cap, true);
 }
 
 /* p2p_config.recv_alloc (recv_into_pinned): called on the transfer engine's
- * thread, so it never asks the backend for memory: an idle buffer (the
- * page-locked ones kv_connector_load_begin set out), else an ordinary one. */
+ * thread, so it never asks the backend for memory: an idle page-locked
+ * buffer (those kv_connector_load_begin set out), else NULL, and the layer
+ * stays in ZMQ's frame. Copying it into ordinary memory would cost the
+ * receive path a memcpy (and a fresh buffer's page faults) for nothing: the
+ * write to the device would still be a pageable copy. */
 static void *pool_get_received(void *ctx, size_t nbytes) {
-    kv_host_pool *pl = ctx;
-    const size_t cap = pool_cap(nbytes);
-    void *p = pool_take_idle(pl, cap);
-    return p ? p : pool_new(pl, cap, false);
+    return pool_take_idle(ctx, pool_cap(nbytes), true);
+}
+
+/* Takes an ordinary buffer that is not idle off the pool's books (the
+ * caller holds pl->mu, and frees it after unlocking: any thread may). */
+static void pool_forget_ordinary_locked(kv_host_pool *pl, const pool_header *h) {
+    pl->n_total--;
+    pl->pageable_bytes -= h->cap;
 }
 
 static void pool_put(void *ctx, void *payload) {
@@ -143,12 +157,12 @@ static void pool_put(void *ctx, void *payload) {
     if (h->pinned || pl->idle_bytes + h->cap <= pl->idle_limit) {
         pl->idle[pl->n_idle++] = h; /* room: cap_idle >= n_total */
         if (!h->pinned) pl->idle_bytes += h->cap;
-        pthread_mutex_unlock(&pl->mu);
-        return;
+        h = NULL;
+    } else {
+        pool_forget_ordinary_locked(pl, h);
     }
-    pl->n_total--;
     pthread_mutex_unlock(&pl->mu);
-    free(h); /* ordinary memory: any thread may */
+    free(h);
 }
 
 /* Engine thread: free idle page-locked buffers of other sizes than cap
@@ -190,11 +204,21 @@ static void pool_prepare(kv_host_pool *pl, size_t nbytes, int count) {
     pthread_mutex_unlock(&pl->mu);
     for (; have < count; have++) {
         pool_evict_pinned(pl, cap);
+        pthread_mutex_lock(&pl->mu);
+        const bool room = pl->pinned_bytes + cap <= pl->pinned_limit;
+        pthread_mutex_unlock(&pl->mu);
+        if (!room) return; /* at the limit: the rest stay in ZMQ's frames (pool_get_received) */
         void *p = pool_new(pl, cap, true);
         if (!p) return;
-        const bool pinned = ((pool_header *)p - 1)->pinned;
+        pool_header *h = (pool_header *)p - 1;
+        if (!h->pinned) { /* host_alloc failed: an ordinary buffer is no use here */
+            pthread_mutex_lock(&pl->mu);
+            pool_forget_ordinary_locked(pl, h);
+            pthread_mutex_unlock(&pl->mu);
+            free(h);
+            return;
+        }
         pool_put(pl, p);
-        if (!pinned) return; /* at the limit: the rest arrive in ordinary memory */
     }
 }
 
@@ -290,8 +314,10 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
     /* mem_pool_size_gb 0 (a config not from kv_transfer_config_parse): 1 GiB */
     c->pool.pinned_limit =
         (size_t)((c->cfg.mem_pool_size_gb > 0 ? c->cfg.mem_pool_size_gb : 1) * (double)(1u << 30));
+    /* Only page-locked memory is worth a copy out of ZMQ's frame: from
+     * ordinary memory the write to the cache is the same pageable copy. */
     c->recv_into_pool = cfg->recv_into_pinned && cfg->role != KV_ROLE_PRODUCER &&
-                        cfg->transport == KV_TRANSPORT_TCP;
+                        cfg->transport == KV_TRANSPORT_TCP && be->host_alloc;
     const opt_config *mc = opt_model_config(model);
     c->layers = mc->num_hidden_layers;
     c->kv_dim = mc->hidden_size;
@@ -339,17 +365,18 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
            "%.0f s%s)",
            kv_role_name(cfg->role), p2p_address(c->p2p), kv_send_type_name(cfg->send_type),
            cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp", cfg->kv_buffer_size,
-           cfg->timeout_s,
-           c->recv_into_pool
-               ? (be->host_alloc
-                      ? ", receiving into page-locked memory"
-                      : ", receiving into the host pool (this backend has no page-locked memory)")
-               : "");
-    if (cfg->recv_into_pinned && !c->recv_into_pool)
-        pd_log(PD_LOG_WARN,
-               "kv connector: recv_into_pinned is ignored on a %s with transport %s (it is for a "
-               "consumer's KV arriving over tcp)",
-               kv_role_name(cfg->role), cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp");
+           cfg->timeout_s, c->recv_into_pool ? ", receiving into page-locked memory" : "");
+    if (cfg->recv_into_pinned && !c->recv_into_pool) {
+        if (cfg->role == KV_ROLE_PRODUCER || cfg->transport != KV_TRANSPORT_TCP)
+            pd_log(PD_LOG_WARN,
+                   "kv connector: recv_into_pinned is ignored on a %s with transport %s (it is for "
+                   "a consumer's KV arriving over tcp)",
+                   kv_role_name(cfg->role), cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp");
+        else
+            pd_log(PD_LOG_WARN,
+                   "kv connector: recv_into_pinned is ignored: this backend has no page-locked "
+                   "memory (received KV stays where ZMQ put it)");
+    }
     *out = c;
     return 0;
 }
@@ -384,6 +411,10 @@ void kv_connector_stats_get(kv_connector *c, kv_connector_stats *out) {
     out->bytes_sent = ps.bytes_sent;
     out->bytes_received = ps.bytes_received;
     out->buffered_bytes = ps.buffered_bytes + ps.offered_bytes;
+    pthread_mutex_lock(&c->pool.mu);
+    out->host_pool_pinned_bytes = c->pool.pinned_bytes;
+    out->host_pool_pageable_bytes = c->pool.pageable_bytes;
+    pthread_mutex_unlock(&c->pool.mu);
 }
 
 static void stats_add(kv_connector *c, bool save, bool ok, double seconds) {
@@ -548,10 +579,10 @@ int kv_connector_load_begin(kv_connector *c, const kv_request_params *params, in
     /* recv_into_pinned: page-locked buffers for this prompt's layers, set
      * out here because the transfer engine's thread may not allocate them.
      * Layers that arrived before (PUT sends before the decode instance sees
-     * the request) are in ordinary memory; the next request of this size
+     * the request) stayed in ZMQ's frames; the next request of this size
      * finds these. With requests in flight, some of the buffers are in use,
      * and the pool grows to what they hold at once (up to pinned_limit). */
-    if (c->recv_into_pool && c->be->host_alloc)
+    if (c->recv_into_pool)
         pool_prepare(&c->pool, 2 * (size_t)n_prompt * (size_t)c->kv_dim * c->be->elem_size,
                      c->layers);
     snprintf(l->tag, sizeof l->tag, "%s", request_tag ? request_tag : "");

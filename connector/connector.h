@@ -153,6 +153,9 @@ typedef struct kv_connector_stats {
     uint64_t sends_ok, sends_failed, recvs_ok, recvs_failed, retries, aborts;
     uint64_t bytes_sent, bytes_received;
     size_t buffered_bytes;
+    /* host memory of the tcp buffer pool, idle or in use: page-locked (at
+     * most mem_pool_size_gb) and ordinary */
+    size_t host_pool_pinned_bytes, host_pool_pageable_bytes;
 } kv_connector_stats;
 void kv_connector_stats_get(kv_connector *c, kv_connector_stats *out);
 

@@ -225,6 +225,13 @@ static void kv_metrics(pd_buf *b, const metrics *m, const kv_connector_stats *kv
     sample(b, m, "pdserve:kv_buffered_bytes", "gauge",
            "Bytes of KV held by the transfer engine: received and not yet written, or waiting to be sent/pulled.",
            (double)kv->buffered_bytes);
+    sample(b, m, "pdserve:kv_host_pool_pinned_bytes", "gauge",
+           "Page-locked host memory held by the connector's tcp buffer pool, idle or in use "
+           "(at most mem_pool_size_gb).",
+           (double)kv->host_pool_pinned_bytes);
+    sample(b, m, "pdserve:kv_host_pool_pageable_bytes", "gauge",
+           "Ordinary host memory held by the connector's tcp buffer pool, idle or in use.",
+           (double)kv->host_pool_pageable_bytes);
     sample(b, m, "pdserve:kv_save_seconds_total", "counter", "Time spent gathering and handing over KV (producer).",
            kv->save_seconds);
     sample(b, m, "pdserve:kv_load_seconds_total", "counter",

@@ -232,6 +232,14 @@ static void transfer(kv_send_type send, bool early, bool pinned, opt_model *m, p
                queued_copies,
                (unsigned long long)(st.layers_written_from_pinned - st0.layers_written_from_pinned),
                (unsigned long long)written, pinned, round);
+        /* The consumer's pool only receives. A layer that finds no page-locked
+         * buffer stays in ZMQ's frame: copying it into ordinary memory would
+         * cost the receive path a memcpy for nothing. */
+        CHECKF(st.host_pool_pageable_bytes == 0 &&
+                   (pinned ? st.host_pool_pinned_bytes > 0 : st.host_pool_pinned_bytes == 0),
+               "consumer pool: %zu bytes ordinary, %zu page-locked (pinned %d, round %d, send %s)",
+               st.host_pool_pageable_bytes, st.host_pool_pinned_bytes, pinned, round,
+               kv_send_type_name(send));
         wrong = wrong_values(kv_p, kv_c, layers, dim, apply || early ? n - 1 : 0);
         CHECKF(wrong == 0, "%zu cache values wrong (send %s, early %d, n %d, apply %d)", wrong,
                kv_send_type_name(send), early, n, apply);
