@@ -346,6 +346,7 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
         .timeout_s = c->cfg.timeout_s,
         .nccl_num_channels = c->cfg.nccl_num_channels,
         .nccl_device = be->device >= 0 ? be->device : 0, /* the GPU the KV cache lives on */
+        .tcp_streams = c->cfg.tcp_streams,
         .fingerprint = c->fingerprint,
         .backend = be,
         .host_alloc = pool_get,
@@ -360,12 +361,17 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
         kv_connector_destroy(c);
         return -1;
     }
+    char streams[48] = "";
+    if (cfg->tcp_streams > 1 && cfg->transport == KV_TRANSPORT_TCP)
+        snprintf(streams, sizeof streams, " over %d connections a peer", cfg->tcp_streams);
     pd_log(PD_LOG_INFO,
-           "kv connector: %s on %s (send_type %s, transport %s, kv_buffer_size %.3g bytes, timeout "
-           "%.0f s%s)",
+           "kv connector: %s on %s (send_type %s, transport %s%s, kv_buffer_size %.3g bytes, "
+           "timeout %.0f s%s)",
            kv_role_name(cfg->role), p2p_address(c->p2p), kv_send_type_name(cfg->send_type),
-           cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp", cfg->kv_buffer_size,
+           cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp", streams, cfg->kv_buffer_size,
            cfg->timeout_s, c->recv_into_pool ? ", receiving into page-locked memory" : "");
+    if (cfg->tcp_streams > 1 && cfg->transport != KV_TRANSPORT_TCP)
+        pd_log(PD_LOG_WARN, "kv connector: tcp_streams is ignored with transport nccl");
     if (cfg->recv_into_pinned && !c->recv_into_pool) {
         if (cfg->role == KV_ROLE_PRODUCER || cfg->transport != KV_TRANSPORT_TCP)
             pd_log(PD_LOG_WARN,
@@ -411,6 +417,7 @@ void kv_connector_stats_get(kv_connector *c, kv_connector_stats *out) {
     out->bytes_sent = ps.bytes_sent;
     out->bytes_received = ps.bytes_received;
     out->buffered_bytes = ps.buffered_bytes + ps.offered_bytes;
+    out->connections = ps.connections;
     pthread_mutex_lock(&c->pool.mu);
     out->host_pool_pinned_bytes = c->pool.pinned_bytes;
     out->host_pool_pageable_bytes = c->pool.pageable_bytes;

@@ -54,6 +54,9 @@ typedef struct kv_transfer_config {
     /* vLLM's key: the page-locked memory the connector's host pool may hold
      * (vLLM: 32, allocated at start; pdserve: 1, allocated as needed) */
     double mem_pool_size_gb;
+    /* 1 (pdserve extension key): TCP connections per peer on the tcp
+     * transport, layers spread over them (docs/kv-transfer.md) */
+    int tcp_streams;
 } kv_transfer_config;
 
 /* Parse and validate the JSON text of --kv-transfer-config. Wrong types or
@@ -156,6 +159,7 @@ typedef struct kv_connector_stats {
     /* host memory of the tcp buffer pool, idle or in use: page-locked (at
      * most mem_pool_size_gb) and ordinary */
     size_t host_pool_pinned_bytes, host_pool_pageable_bytes;
+    int connections; /* open connections to peers (up to tcp_streams each) */
 } kv_connector_stats;
 void kv_connector_stats_get(kv_connector *c, kv_connector_stats *out);
 

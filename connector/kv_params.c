@@ -1,6 +1,7 @@
 /* kv_params: parsing and validation of --kv-transfer-config (vLLM's keys)
  * and of a request's kv_transfer_params (protocol.md). See connector.h. */
 #include "connector/connector.h"
+#include "connector/p2p.h"
 
 #include <cjson/cJSON.h>
 #include <ctype.h>
@@ -95,6 +96,14 @@ static int parse_extra(const cJSON *extra, kv_transfer_config *c, pd_err *err) {
                                "--kv-transfer-config: kv_connector_extra_config.recv_into_pinned "
                                "must be true or false");
             c->recv_into_pinned = cJSON_IsTrue(v);
+        } else if (!strcmp(k, "tcp_streams")) {
+            if (json_number(v, "kv_connector_extra_config.tcp_streams", &d, err)) return -1;
+            if (d < 1 || d > P2P_MAX_STREAMS || d != floor(d))
+                return pd_fail(err,
+                               "--kv-transfer-config: kv_connector_extra_config.tcp_streams must "
+                               "be 1..%d, got %g",
+                               P2P_MAX_STREAMS, d);
+            c->tcp_streams = (int)d;
         } else if (!strcmp(k, "mem_pool_size_gb")) {
             if (json_number(v, "kv_connector_extra_config.mem_pool_size_gb", &d, err)) return -1;
             if (!(d > 0 && d <= 1024))
@@ -120,6 +129,7 @@ int kv_transfer_config_parse(const char *json, kv_transfer_config *c, pd_err *er
     c->timeout_s = 30;
     c->announce_interval_s = 3;
     c->mem_pool_size_gb = 1;
+    c->tcp_streams = 1;
     cJSON *root = cJSON_Parse(json);
     if (!cJSON_IsObject(root)) {
         cJSON_Delete(root);

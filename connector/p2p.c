@@ -50,6 +50,11 @@ static void owned_release(p2p_engine *e, void *p) {
         p2p_buffer_release(e->cfg.transport == P2P_NCCL, p);
 }
 
+bool p2p_same_peer(const char *a, const char *b) {
+    const size_t na = strcspn(a, "/"), nb = strcspn(b, "/");
+    return na == nb && !memcmp(a, b, na);
+}
+
 void p2p_engine_wake(p2p_engine *e) {
     uint64_t one = 1;
     ssize_t n = write(e->wake_fd, &one, sizeof one);
@@ -193,11 +198,14 @@ int p2p_create(const p2p_config *cfg, p2p_engine **out, pd_err *err) {
         return pd_fail(err, "kv_buffer_size %g is not a byte count", cfg->kv_buffer_size);
     if (cfg->fingerprint && strlen(cfg->fingerprint) >= P2P_FP_MAX)
         return pd_fail(err, "model fingerprint is longer than %d bytes", P2P_FP_MAX - 1);
-    if (cfg->kv_ip && strlen(cfg->kv_ip) >= P2P_ADDR_MAX - 8)
+    /* room for ":65535" and a lane's "/16" in an identity under P2P_ADDR_MAX */
+    if (cfg->kv_ip && strlen(cfg->kv_ip) >= P2P_ADDR_MAX - 11)
         return pd_fail(err, "kv_ip \"%s\" is too long", cfg->kv_ip);
     if (!cfg->host_alloc != !cfg->host_free)
         return pd_fail(err, "host_alloc and host_free come together (one of them is missing)");
     if (cfg->recv_alloc && !cfg->host_free) return pd_fail(err, "recv_alloc needs host_free");
+    if (cfg->tcp_streams < 0 || cfg->tcp_streams > P2P_MAX_STREAMS)
+        return pd_fail(err, "tcp_streams %d is outside 1..%d", cfg->tcp_streams, P2P_MAX_STREAMS);
     if (cfg->transport == P2P_NCCL && p2p_nccl_use_device(cfg->nccl_device, err) != 0) return -1;
 
     p2p_engine *e = calloc(1, sizeof *e);
@@ -216,10 +224,17 @@ int p2p_create(const p2p_config *cfg, p2p_engine **out, pd_err *err) {
         p2p_destroy(e);
         return pd_fail(err, "out of memory");
     }
+    e->lanes = cfg->transport == P2P_TCP && cfg->tcp_streams > 1 ? cfg->tcp_streams : 1;
     e->zctx = zmq_ctx_new();
     if (!e->zctx) {
         p2p_destroy(e);
         return pd_fail(err, "zmq context: %s", zmq_strerror(errno));
+    }
+    /* One ZMQ I/O thread per lane: libzmq spreads connections over them, so
+     * the streams are read and written in parallel. */
+    if (e->lanes > 1 && zmq_ctx_set(e->zctx, ZMQ_IO_THREADS, e->lanes) != 0) {
+        p2p_destroy(e);
+        return pd_fail(err, "zmq context: %d I/O threads: %s", e->lanes, zmq_strerror(errno));
     }
     e->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (e->wake_fd < 0) {
@@ -613,5 +628,8 @@ void p2p_stats_get(p2p_engine *e, p2p_stats *out) {
     *out = e->stats;
     out->buffered_bytes = e->buffered;
     out->offered_bytes = e->offer_bytes + e->async_bytes;
+    out->connections = 0;
+    for (const p2p_peer *p = e->peers; p; p = p->next)
+        out->connections += !p->dead;
     pthread_mutex_unlock(&e->mu);
 }

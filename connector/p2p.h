@@ -27,6 +27,8 @@ struct pd_backend;
 typedef enum { P2P_PUT = 0, P2P_PUT_ASYNC = 1, P2P_GET = 2 } p2p_send_type;
 typedef enum { P2P_TCP = 0, P2P_NCCL = 1 } p2p_transport;
 
+#define P2P_MAX_STREAMS 16
+
 typedef struct p2p_config {
     const char *kv_ip;     /* bind/advertise address */
     int kv_port;           /* ROUTER bind port (0: pick a free one — for tests) */
@@ -41,6 +43,11 @@ typedef struct p2p_config {
     struct pd_backend
         *backend;    /* for device buffers with NCCL (may be NULL for tcp); unused so far */
     int nccl_device; /* addition: CUDA device ordinal of the nccl transport (default 0) */
+    /* Addition (tcp): TCP connections to each peer, tensors spread over them
+     * (and as many ZMQ I/O threads), since one stream tops out near a
+     * core's copy speed; 0 or 1: one (how vLLM talks). At most
+     * P2P_MAX_STREAMS. */
+    int tcp_streams;
     /* Addition: where tcp host buffers come from (p2p_buffer_alloc) and go
      * back to (p2p_buffer_free, and the engine once it has sent a
      * p2p_put_async / p2p_offer buffer, from any of its threads); NULL:
@@ -138,6 +145,7 @@ typedef struct p2p_stats {
         offered_bytes; /* producer: bytes held in the GET store and by PUT_ASYNC sends in flight */
     double last_send_ms, last_recv_ms; /* the latest successful transfer */
     uint64_t fingerprint_mismatches;   /* peers refused (either side) */
+    int connections;                   /* open connections to peers (tcp_streams each, at most) */
 } p2p_stats;
 void p2p_stats_get(p2p_engine *e, p2p_stats *out);
 

@@ -11,9 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-static p2p_peer *peer_find(p2p_engine *e, const char *addr) {
+static p2p_peer *peer_find(p2p_engine *e, const char *addr, int lane) {
     for (p2p_peer *p = e->peers; p; p = p->next)
-        if (!p->dead && !strcmp(p->addr, addr)) return p;
+        if (!p->dead && p->lane == lane && !strcmp(p->addr, addr)) return p;
     return NULL;
 }
 
@@ -61,8 +61,8 @@ static int comm_ensure(p2p_engine *e, p2p_peer *p, pd_err *err) {
     return 0;
 }
 
-static p2p_peer *peer_get(p2p_engine *e, const char *addr, pd_err *err) {
-    p2p_peer *p = peer_find(e, addr);
+static p2p_peer *peer_get(p2p_engine *e, const char *addr, int lane, pd_err *err) {
+    p2p_peer *p = peer_find(e, addr, lane);
     if (p) {
         p->last_used = pd_now();
         return p;
@@ -73,6 +73,7 @@ static p2p_peer *peer_get(p2p_engine *e, const char *addr, pd_err *err) {
         return NULL;
     }
     snprintf(p->addr, sizeof p->addr, "%s", addr);
+    p->lane = lane;
     p->last_used = pd_now();
     p->dealer = zmq_socket(e->zctx, ZMQ_DEALER);
     if (!p->dealer) {
@@ -82,7 +83,12 @@ static p2p_peer *peer_get(p2p_engine *e, const char *addr, pd_err *err) {
     }
     int zero = 0;
     int64_t maxmsg = (int64_t)e->budget + 65536;
-    zmq_setsockopt(p->dealer, ZMQ_ROUTING_ID, e->addr, strlen(e->addr));
+    char identity[P2P_ADDR_MAX + 8];
+    if (lane == 0)
+        snprintf(identity, sizeof identity, "%s", e->addr);
+    else
+        snprintf(identity, sizeof identity, "%s/%d", e->addr, lane);
+    zmq_setsockopt(p->dealer, ZMQ_ROUTING_ID, identity, strlen(identity));
     zmq_setsockopt(p->dealer, ZMQ_LINGER, &zero, sizeof zero);
     zmq_setsockopt(p->dealer, ZMQ_SNDHWM, &zero, sizeof zero);
     zmq_setsockopt(p->dealer, ZMQ_RCVHWM, &zero, sizeof zero);
@@ -96,7 +102,7 @@ static p2p_peer *peer_get(p2p_engine *e, const char *addr, pd_err *err) {
     } else if (send_msg(p, enc_hello, &h, NULL, err) == 0 && comm_ensure(e, p, err) == 0) {
         p->next = e->peers;
         e->peers = p;
-        pd_log(PD_LOG_DEBUG, "kv p2p %s: HELLO → %s", e->addr, addr);
+        pd_log(PD_LOG_DEBUG, "kv p2p %s: HELLO → %s (connection %d)", e->addr, addr, lane);
         return p;
     }
     if (p->comm) p2p_nccl_comm_destroy(p->comm);
@@ -105,16 +111,17 @@ static p2p_peer *peer_get(p2p_engine *e, const char *addr, pd_err *err) {
     return NULL;
 }
 
-static bool in_flight_with(const p2p_op *op, const char *addr) {
+/* lane < 0: on any of the peer's connections */
+static bool in_flight_with(const p2p_op *op, const char *addr, int lane) {
     return op->kind != OP_OFFER && !op->reap && op->state != OPS_DONE && op->state != OPS_FAILED &&
-           !strcmp(op->peer, addr);
+           (lane < 0 || (op->lane_chosen && op->lane == lane)) && !strcmp(op->peer, addr);
 }
 
 void p2p_peer_close(p2p_engine *e, p2p_peer *p, const char *why) {
     if (p->comm) p2p_nccl_comm_destroy(p->comm); /* first: NCCL stops touching buffers */
     p->comm = NULL;
     for (p2p_op *op = e->ops; op; op = op->next) {
-        if (!in_flight_with(op, p->addr)) continue;
+        if (!in_flight_with(op, p->addr, p->lane)) continue;
         op->sent_any = false;
         p2p_op_finish(e, op, false, "%s", why);
     }
@@ -129,7 +136,7 @@ void p2p_client_close_idle(p2p_engine *e, double now) {
         if (p->dead || now - p->last_used < idle) continue;
         bool busy = false;
         for (p2p_op *op = e->ops; op && !busy; op = op->next)
-            busy = in_flight_with(op, p->addr);
+            busy = in_flight_with(op, p->addr, p->lane);
         if (busy) continue;
         pd_log(PD_LOG_DEBUG, "kv p2p %s: closing idle connection to %s", e->addr, p->addr);
         p2p_peer_close(e, p, "idle");
@@ -137,14 +144,14 @@ void p2p_client_close_idle(p2p_engine *e, double now) {
 }
 
 void p2p_client_comm_reset(p2p_engine *e, const char *addr, const char *why) {
-    p2p_peer *p = peer_find(e, addr);
+    p2p_peer *p = peer_find(e, addr, 0); /* nccl: one connection a peer */
     if (!p || !p->comm) return;
     pd_log(PD_LOG_WARN, "kv p2p %s: NCCL communicator with %s torn down: %s", e->addr, addr, why);
     p2p_nccl_comm_destroy(p->comm);
     p->comm = NULL;
     p->comm_ready = false;
     for (p2p_op *op = e->ops; op; op = op->next) {
-        if (!in_flight_with(op, addr)) continue;
+        if (!in_flight_with(op, addr, -1)) continue;
         if (op->nop || op->state == OPS_WAIT_COMM || op->state == OPS_WAIT_ACK ||
             op->state == OPS_RECVING)
             p2p_op_finish(e, op, false, "%s", why);
@@ -175,7 +182,11 @@ static size_t room(const p2p_engine *e) {
 
 void p2p_client_start(p2p_engine *e, p2p_op *op) {
     pd_err err;
-    p2p_peer *p = peer_get(e, op->peer, &err);
+    if (!op->lane_chosen) { /* kept across retries: a PUT's DATA follows its PUT */
+        op->lane = (int)(e->next_lane++ % (unsigned)e->lanes);
+        op->lane_chosen = true;
+    }
+    p2p_peer *p = peer_get(e, op->peer, op->lane, &err);
     if (!p) {
         p2p_op_finish(e, op, false, "%s", err.msg);
         return;
@@ -223,7 +234,7 @@ void p2p_client_start(p2p_engine *e, p2p_op *op) {
 
 void p2p_client_abort(p2p_engine *e, const char *addr, const char *id) {
     pd_err err;
-    p2p_peer *p = peer_get(e, addr, &err);
+    p2p_peer *p = peer_get(e, addr, 0, &err); /* the producer matches the peer, not the lane */
     p2p_abort_msg m;
     snprintf(m.tensor_id, sizeof m.tensor_id, "%s", id);
     if (!p || send_msg(p, enc_abort, &m, NULL, &err) != 0) {
@@ -458,7 +469,7 @@ void p2p_client_poll_nccl(p2p_engine *e, double now) {
     for (p2p_op *op = e->ops; op; op = op->next) {
         if (op->reap || op->kind == OP_OFFER || op->state == OPS_DONE || op->state == OPS_FAILED)
             continue;
-        p2p_peer *p = peer_find(e, op->peer);
+        p2p_peer *p = peer_find(e, op->peer, 0);
         if (op->state == OPS_WAIT_COMM && p && p->comm_ready) begin_data(e, p, op);
         if (!op->nop && !(op->state == OPS_RECVING && op->meta.nbytes == 0)) continue;
         int rc = op->nop ? p2p_nccl_op_poll(op->nop, &err) : 1;

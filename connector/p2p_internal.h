@@ -56,6 +56,8 @@ typedef struct p2p_op {
     bool dropped;           /* p2p_drop while an ncclRecv was posted: discard when it ends */
     bool reap;              /* unlink and free at the end of this I/O iteration */
     int retries;
+    int lane; /* which of the peer's connections (tcp_streams) carries it */
+    bool lane_chosen;
     char id[P2P_ID_MAX];
     char peer[P2P_ADDR_MAX];
     p2p_meta meta;
@@ -109,10 +111,13 @@ typedef struct p2p_inpeer {
     double comm_deadline;
 } p2p_inpeer;
 
-/* A peer we talk to through our DEALER to its ROUTER. */
+/* A connection to a peer: our DEALER to its ROUTER. With tcp_streams > 1
+ * a peer has one per lane; lane 0's identity is our address, lane n's is
+ * "<our address>/n" (p2p_same_peer). */
 typedef struct p2p_peer {
     struct p2p_peer *next;
     char addr[P2P_ADDR_MAX];
+    int lane;
     void *dealer;
     bool hello_ok;
     bool dead;           /* closed this iteration; freed at the top of the next */
@@ -157,8 +162,14 @@ struct p2p_engine {
     size_t offer_bytes;   /* GET store */
     size_t async_bytes;   /* PUT_ASYNC in flight */
     size_t get_size_hint; /* GET: the size of the last tensor pulled (layers are alike) */
+    int lanes;            /* connections per peer (tcp_streams; 1 on nccl) */
+    unsigned next_lane;   /* round robin over them, per op */
     p2p_stats stats;
 };
+
+/* Whether two identities are the same peer engine (lanes of one peer
+ * differ only after a '/'). */
+bool p2p_same_peer(const char *a, const char *b);
 
 /* p2p.c */
 p2p_blob *p2p_blob_wrap(void *data, size_t nbytes, bool on_device);

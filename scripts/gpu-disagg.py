@@ -170,6 +170,8 @@ def metric_sum(text, name):
 
 def kv_config(role, kv_port, disc_port, http_port, a):
     extra = {"recv_into_pinned": True} if a.recv_into_pinned else {}
+    if a.tcp_streams > 1:
+        extra["tcp_streams"] = a.tcp_streams
     return json.dumps({
         "kv_connector": "P2pNcclConnector",
         "kv_role": role,
@@ -435,6 +437,8 @@ def main():
     ap.add_argument("--recv-into-pinned", action="store_true",
                     help="kv_connector_extra_config.recv_into_pinned: the decode instance receives KV into "
                          "page-locked memory (tcp)")
+    ap.add_argument("--tcp-streams", type=int, default=1,
+                    help="kv_connector_extra_config.tcp_streams: TCP connections per peer, layers spread over them")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.25,
                     help="each instance's share of the GPU (three run on one)")
     ap.add_argument("--seed", type=int, default=1)

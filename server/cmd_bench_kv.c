@@ -29,7 +29,7 @@
 #include "server/serve_options.h"
 
 typedef struct bench_kv_opts {
-    int layers, heads, head_dim, reps, recv_copy, help;
+    int layers, heads, head_dim, reps, recv_copy, streams, help;
     const char *tokens, *dtype, *device, *transport;
 } bench_kv_opts;
 
@@ -51,6 +51,8 @@ static const cli_option bench_kv_table[] = {
     {"recv-copy", CLI_BOOL, offsetof(bench_kv_opts, recv_copy), "false", 1, 0,
      "tcp: the consumer copies each received tensor out of ZMQ's frame on its I/O thread, as "
      "recv_into_pinned does (into ordinary memory here): what that copy costs the transfer"},
+    {"streams", CLI_INT, offsetof(bench_kv_opts, streams), "1", 1, P2P_MAX_STREAMS,
+     "tcp: connections between the two engines, layers spread over them (tcp_streams)"},
     {"help", CLI_BOOL, offsetof(bench_kv_opts, help), "false", 1, 0, "show this help"},
 };
 
@@ -310,7 +312,8 @@ static int bench_length(const bench_run *br, int tokens, const double link[2], p
                          .transport = br->transport,
                          .timeout_s = 120,
                          .fingerprint = "bench-kv",
-                         .nccl_device = 0};
+                         .nccl_device = 0,
+                         .tcp_streams = br->o->streams};
         p2p_engine *prod = NULL, *cons = NULL;
         if (p2p_create(&pc, &prod, err) != 0) {
             rc = -1;
@@ -430,9 +433,11 @@ int cmd_bench_kv(int argc, char **argv) {
         fprintf(stderr, "pdserve bench-kv: --device %s: %s\n", o.device, err.msg);
         return 1;
     }
-    printf("KV of one request: %d layers x [2, tokens, %d, %d] %s; best of %d%s\n", o.layers,
-           o.heads, o.head_dim, o.dtype, o.reps,
+    printf("KV of one request: %d layers x [2, tokens, %d, %d] %s; best of %d%s", o.layers, o.heads,
+           o.head_dim, o.dtype, o.reps,
            o.recv_copy ? "; the consumer copies each tensor out of ZMQ's frame (--recv-copy)" : "");
+    if (o.streams > 1) printf("; tcp over %d connections (--streams)", o.streams);
+    printf("\n");
     double loop[2] = {0, 0}; /* cache-hot, cache-cold */
     if (want_tcp) {
         for (int r = 0; r < 3; r++) {

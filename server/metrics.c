@@ -225,6 +225,10 @@ static void kv_metrics(pd_buf *b, const metrics *m, const kv_connector_stats *kv
     sample(b, m, "pdserve:kv_buffered_bytes", "gauge",
            "Bytes of KV held by the transfer engine: received and not yet written, or waiting to be sent/pulled.",
            (double)kv->buffered_bytes);
+    sample(b, m, "pdserve:kv_peer_connections", "gauge",
+           "Open connections this instance made to KV peers (tcp_streams per peer at most; idle "
+           "ones close).",
+           (double)kv->connections);
     sample(b, m, "pdserve:kv_host_pool_pinned_bytes", "gauge",
            "Page-locked host memory held by the connector's tcp buffer pool, idle or in use "
            "(at most mem_pool_size_gb).",

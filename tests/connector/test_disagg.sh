@@ -33,11 +33,14 @@ i=0
 for st in PUT PUT_ASYNC GET; do
   pp=$(freeport); dp=$(freeport)
   bs_p=$((16 << (i % 2))); bs_d=$((8 << i))
-  start "p_$st" --block-size $bs_p --kv-transfer-config "$(kvcfg kv_producer "$pp" "$st")"
+  # The GET pair moves its KV over three TCP connections (tcp_streams; the
+  # decode instance pulls, so its connections carry the layers).
+  streams=; [ $st = GET ] && streams=',"tcp_streams":3'
+  start "p_$st" --block-size $bs_p --kv-transfer-config "$(kvcfg kv_producer "$pp" "$st" "$streams")"
   # The PUT_ASYNC decode instance asks for recv_into_pinned, which a CPU
   # backend has no page-locked memory for: accepted, explained in its log,
   # and nothing copied (test_connector runs the path itself, emulated).
-  extra=; [ $st = PUT_ASYNC ] && extra=',"recv_into_pinned":true'
+  extra=$streams; [ $st = PUT_ASYNC ] && extra=',"recv_into_pinned":true'
   start "d_$st" --block-size $bs_d --kv-transfer-config "$(kvcfg kv_consumer "$dp" "$st" "$extra")"
   export "KV_p_$st=127.0.0.1:$pp" "KV_d_$st=127.0.0.1:$dp"
   i=$((i + 1))
@@ -86,6 +89,20 @@ else
   echo "FAIL: d_PUT_ASYNC: no log line for recv_into_pinned on the CPU, or its pool holds $pool bytes"
   fail=1
 fi
+# The GET decode instance pulled over three connections to its prefill
+# (tcp_streams 3; more are open to the dead address a fault test used); the
+# PUT_ASYNC prefill pushed over one.
+for st in PUT_ASYNC GET; do
+  v=URL_$( [ $st = GET ] && echo d || echo p )_$st
+  want=$( [ $st = GET ] && echo 3 || echo 1 )
+  conns=$(curl -s "${!v}/metrics" | awk '$1 ~ /^pdserve:kv_peer_connections[{]/ {s += $2} END {print s + 0}')
+  if { [ $st = GET ] && [ "$conns" -ge 3 ]; } || [ "$conns" = "$want" ]; then
+    echo "ok: ${v#URL_} has $conns KV connection(s) open (tcp_streams $want)"
+  else
+    echo "FAIL: ${v#URL_} has $conns KV connection(s) open (tcp_streams $want)"
+    fail=1
+  fi
+done
 # A decode instance with blocks to spare gives a request waiting for KV its
 # blocks at once and writes each layer as it arrives; its metrics count those
 # layers apart from the ones written at admission (when blocks were short).

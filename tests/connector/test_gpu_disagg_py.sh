@@ -16,8 +16,9 @@ command -v python3 >/dev/null || { echo "FAIL: python3 not installed"; exit 1; }
 run() { python3 "$src/scripts/gpu-disagg.py" "$tmp/m" --device cpu --pdserve "$bin" --pdproxy "$build/pdproxy" "$@"; }
 children() { pgrep -f -- "$tmp/m" | grep -v "^$$\$" | wc -l; }
 
+# (over two TCP connections a peer: the tcp_streams option bench-gpu measures)
 run --check-dtype float32 --dtype float16 --requests 12 --max-tokens 8 --bench-lengths 16,200 \
-  --concurrency 1,3 --bench-requests 3 --json "$tmp/s.json" >"$tmp/out" 2>&1
+  --concurrency 1,3 --bench-requests 3 --tcp-streams 2 --json "$tmp/s.json" >"$tmp/out" 2>&1
 rc=$?
 [ $rc -eq 0 ] && ok || bad "gpu-disagg.py on the CPU exited $rc: $(tail -30 "$tmp/out")"
 grep -q 'vs colocated: 0 differ' "$tmp/out" && ok || bad "outputs differ: $(grep -A3 correctness "$tmp/out")"

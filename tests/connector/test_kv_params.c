@@ -26,7 +26,12 @@ static void config_ok(void) {
               "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","
               "\"kv_connector_extra_config\":{\"recv_into_pinned\":true}}",
               &c, &err) == 0 &&
-          c.recv_into_pinned && c.mem_pool_size_gb == 1);
+          c.recv_into_pinned && c.mem_pool_size_gb == 1 && c.tcp_streams == 1);
+    CHECK(kv_transfer_config_parse(
+              "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","
+              "\"kv_connector_extra_config\":{\"tcp_streams\":4}}",
+              &c, &err) == 0 &&
+          c.tcp_streams == 4);
     CHECK(kv_transfer_config_parse(
               "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","
               "\"kv_connector_extra_config\":{\"mem_pool_size_gb\":\"32\"}}",
@@ -83,6 +88,15 @@ static void config_bad(void) {
         {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
          "config\":{\"mem_pool_size_gb\":0}}",
          "mem_pool_size_gb"},
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":{\"tcp_streams\":0}}",
+         "tcp_streams must be 1..16, got 0"},
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":{\"tcp_streams\":2.5}}",
+         "tcp_streams"},
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
+         "config\":{\"tcp_streams\":17}}",
+         "tcp_streams"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         kv_transfer_config c;

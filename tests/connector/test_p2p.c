@@ -15,8 +15,13 @@
 
 #define MB (1024u * 1024u)
 
+/* tcp_streams of the engines mk makes: main runs the transfer tests with
+ * one connection a peer and again with several. */
+static int streams = 1;
+
 static p2p_engine *mk(double budget, double timeout, const char *fp) {
-    p2p_config cfg = {.kv_ip = "127.0.0.1",
+    p2p_config cfg = {.tcp_streams = streams,
+                      .kv_ip = "127.0.0.1",
                       .kv_port = 0,
                       .kv_buffer_size = budget,
                       .send_type = P2P_PUT_ASYNC,
@@ -185,6 +190,9 @@ static void test_many(int mode) {
     CHECKF(bad == 0, "mode %d: %d tensors missing or wrong", mode, bad);
     STATS_WAIT(P, s.sends_ok == NREQ * NLAYER && s.offered_bytes == 0, 5);
     CHECK(stats(D).buffered_bytes == 0 && stats(D).recvs_ok == NREQ * NLAYER);
+    /* The asking side (P pushes, D pulls) spread the tensors over every connection. */
+    const int conns = stats(mode == 1 ? P : D).connections;
+    CHECKF(conns == streams, "mode %d: %d connections with tcp_streams %d", mode, conns, streams);
     p2p_destroy(P);
     p2p_destroy(D);
 }
@@ -758,6 +766,18 @@ int main(void) {
     test_fingerprint();
     test_destroy_in_flight();
     test_garbage();
+    test_arrival_hook();
+    /* Again over three connections a peer (tcp_streams). */
+    streams = 3;
+    test_put_modes();
+    test_many(1);
+    test_many(2);
+    test_threads();
+    test_tiny_budget();
+    test_dead_peer();
+    test_consumer_dies();
+    test_drop();
+    test_destroy_in_flight();
     test_arrival_hook();
     return test_finish();
 }
