@@ -111,10 +111,11 @@ static p2p_peer *peer_get(p2p_engine *e, const char *addr, int lane, pd_err *err
     return NULL;
 }
 
-/* lane < 0: on any of the peer's connections */
+/* lane < 0: on any of the peer's connections; an op not started yet has
+ * no lane and counts for every one. */
 static bool in_flight_with(const p2p_op *op, const char *addr, int lane) {
     return op->kind != OP_OFFER && !op->reap && op->state != OPS_DONE && op->state != OPS_FAILED &&
-           (lane < 0 || (op->lane_chosen && op->lane == lane)) && !strcmp(op->peer, addr);
+           (lane < 0 || !op->lane_chosen || op->lane == lane) && !strcmp(op->peer, addr);
 }
 
 void p2p_peer_close(p2p_engine *e, p2p_peer *p, const char *why) {
