@@ -1,6 +1,7 @@
 /* p2p_client: the asking side of the KV control plane, run by the I/O thread.
- * One DEALER per peer (identity: our own address), opened on first use with a
- * HELLO (and, for nccl, a NEW) ahead of any request. PUT: PUT → {ret} →
+ * One DEALER per peer (identity: our own address; with tcp_streams n, n of
+ * them, "lanes", lane k's identity "<our address>/k" for k > 0), opened on
+ * first use with a HELLO (and, for nccl, a NEW) ahead of any request. PUT: PUT → {ret} →
  * DATA + bytes → ack. GET: GET → {ret, meta} + bytes. Replies are matched to
  * ops by (peer, reply_to, tensor_id); a reply nobody waits for is late and
  * dropped. */
