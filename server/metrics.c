@@ -218,40 +218,54 @@ static void kv_metrics(pd_buf *b, const metrics *m, const kv_connector_stats *kv
               kv->loads_ok, kv->loads_failed);
     ok_failed(b, m, "pdserve:kv_sends_total", "Tensors delivered to (or pulled by) a peer.", kv->sends_ok, kv->sends_failed);
     ok_failed(b, m, "pdserve:kv_receives_total", "Tensors received from a peer.", kv->recvs_ok, kv->recvs_failed);
-    sample(b, m, "pdserve:kv_bytes_sent_total", "counter", "KV bytes sent to peers.", (double)kv->bytes_sent);
-    sample(b, m, "pdserve:kv_bytes_received_total", "counter", "KV bytes received from peers.", (double)kv->bytes_received);
-    sample(b, m, "pdserve:kv_send_retries_total", "counter", "PUT retries after a peer had no room.", (double)kv->retries);
-    sample(b, m, "pdserve:kv_aborts_total", "counter", "Transfers given up by the consumer (ABORT).", (double)kv->aborts);
-    sample(b, m, "pdserve:kv_buffered_bytes", "gauge",
-           "Bytes of KV held by the transfer engine: received and not yet written, or waiting to be sent/pulled.",
-           (double)kv->buffered_bytes);
-    sample(b, m, "pdserve:kv_peer_connections", "gauge",
-           "Open connections this instance made to KV peers (tcp_streams per peer at most; idle "
-           "ones close).",
-           (double)kv->connections);
-    sample(b, m, "pdserve:kv_host_pool_pinned_bytes", "gauge",
-           "Page-locked host memory held by the connector's tcp buffer pool, idle or in use "
-           "(at most mem_pool_size_gb).",
-           (double)kv->host_pool_pinned_bytes);
-    sample(b, m, "pdserve:kv_host_pool_pageable_bytes", "gauge",
-           "Ordinary host memory held by the connector's tcp buffer pool, idle or in use.",
-           (double)kv->host_pool_pageable_bytes);
-    sample(b, m, "pdserve:kv_save_seconds_total", "counter", "Time spent gathering and handing over KV (producer).",
-           kv->save_seconds);
-    sample(b, m, "pdserve:kv_load_seconds_total", "counter",
-           "Time from a request's arrival to its remote KV being in the cache (consumer).", kv->load_seconds);
-    sample(
-        b, m, "pdserve:kv_layers_written_total", "counter",
-        "Layers of received KV written into the cache (consumer; one per model layer per request).",
-        (double)kv->layers_written);
-    sample(b, m, "pdserve:kv_layers_written_on_arrival_total", "counter",
-           "Of those, layers written as they arrived, while the request waited for the rest (its "
-           "blocks were free).",
-           (double)kv->layers_written_on_arrival);
-    sample(b, m, "pdserve:kv_layers_written_from_pinned_total", "counter",
-           "Of those, layers copied to the device from page-locked memory by a queued copy "
-           "(recv_into_pinned).",
-           (double)kv->layers_written_from_pinned);
+    /* The connector's plain counters and gauges, one row each. */
+    const struct {
+        const char *name, *type, *help;
+        double value;
+    } rows[] = {
+        {"pdserve:kv_bytes_sent_total", "counter", "KV bytes sent to peers.",
+         (double)kv->bytes_sent},
+        {"pdserve:kv_bytes_received_total", "counter", "KV bytes received from peers.",
+         (double)kv->bytes_received},
+        {"pdserve:kv_send_retries_total", "counter", "PUT retries after a peer had no room.",
+         (double)kv->retries},
+        {"pdserve:kv_aborts_total", "counter", "Transfers given up by the consumer (ABORT).",
+         (double)kv->aborts},
+        {"pdserve:kv_buffered_bytes", "gauge",
+         "Bytes of KV held by the transfer engine: received and not yet written, or waiting to be "
+         "sent/pulled.",
+         (double)kv->buffered_bytes},
+        {"pdserve:kv_peer_connections", "gauge",
+         "Open connections this instance made to KV peers (tcp_streams per peer at most; idle ones "
+         "close).",
+         (double)kv->connections},
+        {"pdserve:kv_host_pool_pinned_bytes", "gauge",
+         "Page-locked host memory held by the connector's tcp buffer pool, idle or in use (at most "
+         "mem_pool_size_gb).",
+         (double)kv->host_pool_pinned_bytes},
+        {"pdserve:kv_host_pool_pageable_bytes", "gauge",
+         "Ordinary host memory held by the connector's tcp buffer pool, idle or in use.",
+         (double)kv->host_pool_pageable_bytes},
+        {"pdserve:kv_save_seconds_total", "counter",
+         "Time spent gathering and handing over KV (producer).", kv->save_seconds},
+        {"pdserve:kv_load_seconds_total", "counter",
+         "Time from a request's arrival to its remote KV being in the cache (consumer).",
+         kv->load_seconds},
+        {"pdserve:kv_layers_written_total", "counter",
+         "Layers of received KV written into the cache (consumer; one per model layer per "
+         "request).",
+         (double)kv->layers_written},
+        {"pdserve:kv_layers_written_on_arrival_total", "counter",
+         "Of those, layers written as they arrived, while the request waited for the rest (its "
+         "blocks were free).",
+         (double)kv->layers_written_on_arrival},
+        {"pdserve:kv_layers_written_from_pinned_total", "counter",
+         "Of those, layers copied to the device from page-locked memory by a queued copy "
+         "(recv_into_pinned).",
+         (double)kv->layers_written_from_pinned},
+    };
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++)
+        sample(b, m, rows[i].name, rows[i].type, rows[i].help, rows[i].value);
 }
 
 char *metrics_render(metrics *m, const engine_stats *st, size_t *len) {

@@ -751,33 +751,29 @@ out:
     pthread_mutex_destroy(&a.mu);
 }
 
+/* The tests that move tensors, run with one connection a peer and again
+ * with several (streams). */
+static void transfer_tests(void) {
+    test_put_modes();
+    test_many(1);
+    test_many(2);
+    test_threads();
+    test_tiny_budget();
+    test_dead_peer();
+    test_consumer_dies();
+    test_drop();
+    test_destroy_in_flight();
+    test_arrival_hook();
+}
+
 int main(void) {
     pd_log_set_level(PD_LOG_ERROR);
     if (getenv("P2P_TEST_DEBUG")) pd_log_set_level(PD_LOG_DEBUG);
     test_config();
-    test_put_modes();
-    test_many(1);
-    test_many(2);
-    test_threads();
-    test_tiny_budget();
-    test_dead_peer();
-    test_consumer_dies();
-    test_drop();
     test_fingerprint();
-    test_destroy_in_flight();
     test_garbage();
-    test_arrival_hook();
-    /* Again over three connections a peer (tcp_streams). */
-    streams = 3;
-    test_put_modes();
-    test_many(1);
-    test_many(2);
-    test_threads();
-    test_tiny_budget();
-    test_dead_peer();
-    test_consumer_dies();
-    test_drop();
-    test_destroy_in_flight();
-    test_arrival_hook();
+    transfer_tests();
+    streams = 3; /* tcp_streams */
+    transfer_tests();
     return test_finish();
 }
