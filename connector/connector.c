@@ -83,10 +83,11 @@ static void *pool_take_idle(kv_host_pool *pl, size_t cap, bool pinned_only) {
     return h ? h + 1 : NULL;
 }
 
-/* A new buffer, page-locked when may_pin and the backend has such memory
- * within pinned_limit. Only the engine thread may pass may_pin: the backend's
- * host_alloc may not run beside its other calls. */
-static void *pool_new(kv_host_pool *pl, size_t cap, bool may_pin) {
+/* A new buffer: page-locked where the backend has such memory within
+ * pinned_limit, else an ordinary one, or with pinned_only none (NULL).
+ * Engine thread only: the backend's host_alloc may not run beside its other
+ * calls. */
+static void *pool_new(kv_host_pool *pl, size_t cap, bool pinned_only) {
     pthread_mutex_lock(&pl->mu);
     /* First make room for it in the idle list. */
     if (pl->n_total == pl->cap_idle) {
@@ -99,28 +100,28 @@ static void *pool_new(kv_host_pool *pl, size_t cap, bool may_pin) {
         pl->idle = grown;
         pl->cap_idle = n;
     }
-    const bool pin = may_pin && pl->be->host_alloc && pl->pinned_bytes + cap <= pl->pinned_limit;
+    const bool pin = pl->be->host_alloc && pl->pinned_bytes + cap <= pl->pinned_limit;
+    if (!pin && pinned_only) {
+        pthread_mutex_unlock(&pl->mu);
+        return NULL;
+    }
     if (pin) pl->pinned_bytes += cap; /* claimed now, given back if the allocation fails */
     pl->n_total++;
     pthread_mutex_unlock(&pl->mu);
     pd_err ignored;
     pool_header *h = pin ? pl->be->host_alloc(pl->be, sizeof *h + cap, &ignored) : NULL;
     const bool pinned = h != NULL;
-    if (!pinned) h = malloc(sizeof *h + cap);
-    if (pin != pinned || !h) { /* the claims above that did not come true */
-        pthread_mutex_lock(&pl->mu);
-        if (pin != pinned) pl->pinned_bytes -= cap;
-        if (!h) pl->n_total--;
-        pthread_mutex_unlock(&pl->mu);
-        if (!h) return NULL;
-    }
+    if (!pinned && !pinned_only) h = malloc(sizeof *h + cap);
+    pthread_mutex_lock(&pl->mu); /* the books: claims that did not come true, ordinary bytes */
+    if (pin != pinned) pl->pinned_bytes -= cap;
+    if (!h)
+        pl->n_total--;
+    else if (!pinned)
+        pl->pageable_bytes += cap;
+    pthread_mutex_unlock(&pl->mu);
+    if (!h) return NULL;
     h->cap = cap;
     h->pinned = pinned;
-    if (!pinned) {
-        pthread_mutex_lock(&pl->mu);
-        pl->pageable_bytes += cap;
-        pthread_mutex_unlock(&pl->mu);
-    }
     return h + 1;
 }
 
@@ -129,7 +130,7 @@ static void *pool_get(void *ctx, size_t nbytes) {
     kv_host_pool *pl = ctx;
     const size_t cap = pool_cap(nbytes);
     void *p = pool_take_idle(pl, cap, false);
-    return p ? p : pool_new(pl, cap, true);
+    return p ? p : pool_new(pl, cap, false);
 }
 
 /* p2p_config.recv_alloc (recv_into_pinned): called on the transfer engine's
@@ -142,13 +143,6 @@ static void *pool_get_received(void *ctx, size_t nbytes) {
     return pool_take_idle(ctx, pool_cap(nbytes), true);
 }
 
-/* Takes an ordinary buffer that is not idle off the pool's books (the
- * caller holds pl->mu, and frees it after unlocking: any thread may). */
-static void pool_forget_ordinary_locked(kv_host_pool *pl, const pool_header *h) {
-    pl->n_total--;
-    pl->pageable_bytes -= h->cap;
-}
-
 static void pool_put(void *ctx, void *payload) {
     kv_host_pool *pl = ctx;
     if (!payload) return;
@@ -158,8 +152,9 @@ static void pool_put(void *ctx, void *payload) {
         pl->idle[pl->n_idle++] = h; /* room: cap_idle >= n_total */
         if (!h->pinned) pl->idle_bytes += h->cap;
         h = NULL;
-    } else {
-        pool_forget_ordinary_locked(pl, h);
+    } else { /* over idle_limit: off the books, freed below (any thread may) */
+        pl->n_total--;
+        pl->pageable_bytes -= h->cap;
     }
     pthread_mutex_unlock(&pl->mu);
     free(h);
@@ -204,20 +199,10 @@ static void pool_prepare(kv_host_pool *pl, size_t nbytes, int count) {
     pthread_mutex_unlock(&pl->mu);
     for (; have < count; have++) {
         pool_evict_pinned(pl, cap);
-        pthread_mutex_lock(&pl->mu);
-        const bool room = pl->pinned_bytes + cap <= pl->pinned_limit;
-        pthread_mutex_unlock(&pl->mu);
-        if (!room) return; /* at the limit: the rest stay in ZMQ's frames (pool_get_received) */
+        /* Page-locked or nothing: at the limit (or if host_alloc fails) the
+         * rest stay in ZMQ's frames (pool_get_received). */
         void *p = pool_new(pl, cap, true);
         if (!p) return;
-        pool_header *h = (pool_header *)p - 1;
-        if (!h->pinned) { /* host_alloc failed: an ordinary buffer is no use here */
-            pthread_mutex_lock(&pl->mu);
-            pool_forget_ordinary_locked(pl, h);
-            pthread_mutex_unlock(&pl->mu);
-            free(h);
-            return;
-        }
         pool_put(pl, p);
     }
 }
@@ -361,6 +346,7 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
         kv_connector_destroy(c);
         return -1;
     }
+    const char *transport = cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp";
     char streams[48] = "";
     if (cfg->tcp_streams > 1 && cfg->transport == KV_TRANSPORT_TCP)
         snprintf(streams, sizeof streams, " over %d connections a peer", cfg->tcp_streams);
@@ -368,8 +354,8 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
            "kv connector: %s on %s (send_type %s, transport %s%s, kv_buffer_size %.3g bytes, "
            "timeout %.0f s%s)",
            kv_role_name(cfg->role), p2p_address(c->p2p), kv_send_type_name(cfg->send_type),
-           cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp", streams, cfg->kv_buffer_size,
-           cfg->timeout_s, c->recv_into_pool ? ", receiving into page-locked memory" : "");
+           transport, streams, cfg->kv_buffer_size, cfg->timeout_s,
+           c->recv_into_pool ? ", receiving into page-locked memory" : "");
     if (cfg->tcp_streams > 1 && cfg->transport != KV_TRANSPORT_TCP)
         pd_log(PD_LOG_WARN, "kv connector: tcp_streams is ignored with transport nccl");
     if (cfg->recv_into_pinned && !c->recv_into_pool) {
@@ -377,7 +363,7 @@ int kv_connector_create(const kv_transfer_config *cfg, opt_model *model, opt_kv_
             pd_log(PD_LOG_WARN,
                    "kv connector: recv_into_pinned is ignored on a %s with transport %s (it is for "
                    "a consumer's KV arriving over tcp)",
-                   kv_role_name(cfg->role), cfg->transport == KV_TRANSPORT_NCCL ? "nccl" : "tcp");
+                   kv_role_name(cfg->role), transport);
         else
             pd_log(PD_LOG_WARN,
                    "kv connector: recv_into_pinned is ignored: this backend has no page-locked "
