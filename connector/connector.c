@@ -451,11 +451,11 @@ static void tensor_id(char *out, size_t cap, const char *transfer_id, int layer)
 
 /* One layer's K and V rows as one contiguous tensor, ready for the transfer
  * engine. Over nccl the rows are gathered straight into a device buffer of
- * the engine's, sent in place GPU to GPU once the caller has waited for the
- * gathers queued on the backend's stream. Over tcp they
- * are gathered into the device scratch `dev` and copied down into a host
- * buffer (the copy waits for the gathers). The buffer is the caller's until
- * handed to p2p. */
+ * the engine's, sent in place GPU to GPU after the gathers queued on the
+ * backend's stream (the engine records an event there when it is handed the
+ * buffer). Over tcp they are gathered into the device scratch `dev` and
+ * copied down into a host buffer (the copy waits for the gathers). The
+ * buffer is the caller's until handed to p2p. */
 static void *stage_layer(kv_connector *c, int layer, const int32_t *slots, int n_tokens, void *dev,
                          size_t nbytes, pd_err *err) {
     const bool in_place = c->cfg.transport == KV_TRANSPORT_NCCL;
@@ -519,34 +519,17 @@ int kv_connector_save(kv_connector *c, const kv_request_params *params, const in
     double deadline = t0 + c->cfg.timeout_s;
     int32_t *slots = slots_upload(c, block_table, n_tokens, err);
     /* tcp: one device scratch the layers are gathered into in turn, then
-     * copied down; nccl: every layer gathered into its own send buffer. */
+     * copied down, so at most one layer's copy is in flight here. nccl:
+     * each layer gathered into its own send buffer; the transfer engine
+     * orders its send after the gathers on the GPU (an event on the
+     * backend's queue), so nothing here waits for the device. */
     void *dev = slots && !in_place ? scratch_reserve(c, &c->rows_buf, nbytes, err) : NULL;
-    void **staged = slots && in_place ? calloc((size_t)c->layers, sizeof *staged) : NULL;
-    int rc = slots && (in_place ? staged != NULL : dev != NULL) ? 0 : -1;
-    if (slots && in_place && !staged) pd_fail(err, "out of memory");
-    if (in_place) {
-        /* Queue every layer's gathers, then wait for them once: NCCL sends
-         * from its own stream, which knows nothing of the backend's. */
-        for (int l = 0; l < c->layers && rc == 0; l++)
-            if (!(staged[l] = stage_layer(c, l, slots, n_tokens, NULL, nbytes, err))) rc = -1;
-        if (rc == 0 && c->be->sync(c->be, err) != 0) rc = -1;
-        for (int l = 0; l < c->layers && rc == 0; l++) {
-            rc =
-                send_layer(c, params, out->transfer_id, l, shape, staged[l], nbytes, deadline, err);
-            staged[l] = NULL; /* gone with the call */
-        }
-    } else {
-        /* tcp: layer by layer, so at most one layer's copy is in flight here. */
-        for (int l = 0; l < c->layers && rc == 0; l++) {
-            void *host = stage_layer(c, l, slots, n_tokens, dev, nbytes, err);
-            rc = host ? send_layer(c, params, out->transfer_id, l, shape, host, nbytes, deadline,
-                                   err)
-                      : -1;
-        }
+    int rc = slots && (in_place || dev) ? 0 : -1;
+    for (int l = 0; l < c->layers && rc == 0; l++) {
+        void *buf = stage_layer(c, l, slots, n_tokens, dev, nbytes, err);
+        rc = buf ? send_layer(c, params, out->transfer_id, l, shape, buf, nbytes, deadline, err)
+                 : -1;
     }
-    for (int l = 0; staged && l < c->layers; l++)
-        if (staged[l]) p2p_buffer_free(c->p2p, staged[l]); /* staged, never handed over */
-    free(staged);
     double dt = pd_now() - t0;
     stats_add(c, true, rc == 0, dt);
     if (rc != 0) return pd_wrap(err, "sending KV of %s to %s", request_tag, params->remote_kv_addr);

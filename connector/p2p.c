@@ -2,6 +2,7 @@
  * arguments, record the work under e->mu and wake the I/O thread (p2p_io.c),
  * which does every socket operation. Only p2p_put waits, on e->cv, for its op. */
 #include "connector/p2p_internal.h"
+#include "model/backend.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -24,7 +25,7 @@ p2p_blob *p2p_blob_wrap(void *data, size_t nbytes, bool on_device) {
 
 void p2p_buffer_release(bool on_device, void *p) {
     if (on_device)
-        p2p_nccl_free(p);
+        p2p_nccl_free(p, NULL);
     else
         free(p);
 }
@@ -35,19 +36,43 @@ void p2p_blob_unref(p2p_blob *b) {
     if (!b->borrowed) {
         if (b->release)
             b->release(b->release_ctx, b->data);
+        else if (b->on_device)
+            p2p_nccl_free(b->data, b->ready);
         else
-            p2p_buffer_release(b->on_device, b->data);
+            free(b->data);
     }
+    p2p_nccl_event_destroy(b->ready);
     free(b);
 }
 
 /* A buffer the caller handed over (p2p_put_async, p2p_offer) or got from
- * p2p_buffer_alloc, back to where it came from. */
-static void owned_release(p2p_engine *e, void *p) {
-    if (e->cfg.transport != P2P_NCCL && e->cfg.host_free)
+ * p2p_buffer_alloc, back to where it came from (device memory once the work
+ * queued before ready, if any, is done). */
+static void owned_release(p2p_engine *e, void *p, void *ready) {
+    if (e->cfg.transport == P2P_NCCL)
+        p2p_nccl_free(p, ready);
+    else if (e->cfg.host_free)
         e->cfg.host_free(e->cfg.host_ctx, p);
     else
-        p2p_buffer_release(e->cfg.transport == P2P_NCCL, p);
+        free(p);
+}
+
+/* nccl with a backend: an event recorded after the work the caller queued
+ * so far (the kernels filling the buffer it hands over), for the transfer
+ * to wait on. NULL when there is nothing to wait for, or when no event
+ * could be made, in which case the backend's whole queue was waited for. */
+static void *ready_event(p2p_engine *e) {
+    struct pd_backend *be = e->cfg.backend;
+    if (e->cfg.transport != P2P_NCCL || !be) return NULL;
+    pd_err err;
+    void *ev = NULL;
+    if (be->event_record && p2p_nccl_event_create(&ev, &err) == 0 &&
+        be->event_record(be, ev, &err) == 0)
+        return ev;
+    p2p_nccl_event_destroy(ev);
+    if (be->sync(be, &err) != 0)
+        pd_log(PD_LOG_WARN, "kv p2p %s: waiting for the backend: %s", e->addr, err.msg);
+    return NULL;
 }
 
 bool p2p_same_peer(const char *a, const char *b) {
@@ -64,7 +89,7 @@ void p2p_engine_wake(p2p_engine *e) {
 void p2p_op_free(p2p_op *op) {
     if (!op) return;
     p2p_nccl_op_free(op->nop);
-    if (op->dev_buf) p2p_nccl_free(op->dev_buf);
+    if (op->dev_buf) p2p_nccl_free(op->dev_buf, NULL);
     p2p_blob_unref(op->data);
     free(op);
 }
@@ -84,7 +109,7 @@ void p2p_rx_free(p2p_rx *rx) {
     if (!rx) return;
     p2p_rx_tensor_release(rx->tensor);
     p2p_nccl_op_free(rx->nop);
-    if (rx->dev_buf) p2p_nccl_free(rx->dev_buf);
+    if (rx->dev_buf) p2p_nccl_free(rx->dev_buf, NULL);
     free(rx);
 }
 
@@ -225,6 +250,14 @@ int p2p_create(const p2p_config *cfg, p2p_engine **out, pd_err *err) {
         return pd_fail(err, "out of memory");
     }
     e->lanes = cfg->transport == P2P_TCP && cfg->tcp_streams > 1 ? cfg->tcp_streams : 1;
+    /* The pool keeps what the receive budget allows (at least 64 MiB for a
+     * sender's layers in flight), so steady traffic maps no new memory. */
+    if (cfg->transport == P2P_NCCL &&
+        p2p_nccl_mem_create(cfg->nccl_device, e->budget > (64u << 20) ? e->budget : (64u << 20),
+                            &e->dev_mem, err) != 0) {
+        p2p_destroy(e);
+        return -1;
+    }
     e->zctx = zmq_ctx_new();
     if (!e->zctx) {
         p2p_destroy(e);
@@ -299,6 +332,7 @@ void p2p_destroy(p2p_engine *e) {
         e->inpeers = p->next;
         free(p);
     }
+    p2p_nccl_mem_destroy(e->dev_mem); /* after every buffer above went back to it */
     if (e->zctx) zmq_ctx_term(e->zctx);
     if (e->wake_fd >= 0) close(e->wake_fd);
     pthread_cond_destroy(&e->cv);
@@ -324,8 +358,14 @@ int p2p_put(p2p_engine *e, const char *peer, const char *id, const char *dtype, 
     p2p_blob *blob;
     if (dev) {
         /* Device memory is sent in place: the blob only borrows it. */
+        void *ready = ready_event(e);
         blob = p2p_blob_wrap((void *)data, nbytes, true);
-        if (blob) blob->borrowed = true;
+        if (blob) {
+            blob->borrowed = true;
+            blob->ready = ready;
+        } else {
+            p2p_nccl_event_destroy(ready);
+        }
     } else {
         /* A copy: ZMQ may still hold the frame after a failed transfer returns. */
         void *copy = malloc(nbytes ? nbytes : 1);
@@ -365,29 +405,39 @@ int p2p_put(p2p_engine *e, const char *peer, const char *id, const char *dtype, 
     return rc;
 }
 
+/* A PUT names its peer; an offer waits for whoever asks. */
+static bool peer_ok(op_kind kind, const char *peer, pd_err *err) {
+    return kind != OP_PUT || check_id("peer address", peer, P2P_ADDR_MAX, err) == 0;
+}
+
 /* A new PUT or OFFER op that owns data_owned (nbytes of it). On any failure
  * the buffer is released, err is set and NULL comes back. */
 static p2p_op *op_with_data(p2p_engine *e, op_kind kind, const char *peer, const char *id,
                             const char *dtype, int ndim, const int64_t *shape, void *data_owned,
                             size_t nbytes, double deadline, pd_err *err) {
     bool dev = e->cfg.transport == P2P_NCCL;
-    if (check_tensor(id, dtype, ndim, shape, err) != 0 ||
-        (nbytes > 0 && !data_owned &&
-         pd_fail(err, "tensor %s: no data for %zu bytes", id, nbytes))) {
-        owned_release(e, data_owned);
+    /* First, even on the way out: the caller's kernels may still be
+     * writing a device buffer, which must not be reused before they end. */
+    void *ready = ready_event(e);
+    p2p_blob *blob = NULL;
+    if (peer_ok(kind, peer, err) && check_tensor(id, dtype, ndim, shape, err) == 0 &&
+        !(nbytes > 0 && !data_owned &&
+          pd_fail(err, "tensor %s: no data for %zu bytes", id, nbytes)) &&
+        !(blob = p2p_blob_wrap(data_owned, nbytes, dev)))
+        pd_fail(err, "out of memory for tensor %s", id);
+    if (!blob) {
+        owned_release(e, data_owned, ready);
+        p2p_nccl_event_destroy(ready);
         return NULL;
     }
-    p2p_blob *blob = p2p_blob_wrap(data_owned, nbytes, dev);
-    if (blob && !dev && e->cfg.host_free) {
+    blob->ready = ready;
+    if (!dev && e->cfg.host_free) {
         blob->release = e->cfg.host_free;
         blob->release_ctx = e->cfg.host_ctx;
     }
-    p2p_op *op = blob ? op_new(e, kind, peer, id, dtype, ndim, shape, nbytes, deadline) : NULL;
+    p2p_op *op = op_new(e, kind, peer, id, dtype, ndim, shape, nbytes, deadline);
     if (!op) {
-        if (blob)
-            p2p_blob_unref(blob);
-        else
-            owned_release(e, data_owned);
+        p2p_blob_unref(blob);
         pd_fail(err, "out of memory for tensor %s", id);
         return NULL;
     }
@@ -398,10 +448,6 @@ static p2p_op *op_with_data(p2p_engine *e, op_kind kind, const char *peer, const
 int p2p_put_async(p2p_engine *e, const char *peer, const char *id, const char *dtype, int ndim,
                   const int64_t *shape, void *data_owned, size_t nbytes, double deadline,
                   pd_err *err) {
-    if (check_id("peer address", peer, P2P_ADDR_MAX, err) != 0) {
-        owned_release(e, data_owned);
-        return -1;
-    }
     p2p_op *op =
         op_with_data(e, OP_PUT, peer, id, dtype, ndim, shape, data_owned, nbytes, deadline, err);
     if (!op) return -1;
@@ -570,7 +616,7 @@ void p2p_drop(p2p_engine *e, const char *peer, const char *id) {
         rx->counted = 0;
         p2p_rx_tensor_release(rx->tensor);
         rx->tensor = NULL;
-        if (rx->dev_buf) p2p_nccl_free(rx->dev_buf);
+        if (rx->dev_buf) p2p_nccl_free(rx->dev_buf, NULL);
         rx->dev_buf = NULL;
     } else {
         rx = calloc(1, sizeof *rx);
@@ -612,7 +658,7 @@ void p2p_drop(p2p_engine *e, const char *peer, const char *id) {
 }
 
 void *p2p_buffer_alloc(p2p_engine *e, size_t nbytes, pd_err *err) {
-    if (e->cfg.transport == P2P_NCCL) return p2p_nccl_alloc(e->cfg.nccl_device, nbytes, err);
+    if (e->cfg.transport == P2P_NCCL) return p2p_nccl_alloc(e->dev_mem, nbytes, err);
     void *p = e->cfg.host_alloc ? e->cfg.host_alloc(e->cfg.host_ctx, nbytes)
                                 : malloc(nbytes ? nbytes : 1);
     if (!p) pd_fail(err, "out of memory for %zu bytes", nbytes);
@@ -620,7 +666,7 @@ void *p2p_buffer_alloc(p2p_engine *e, size_t nbytes, pd_err *err) {
 }
 
 void p2p_buffer_free(p2p_engine *e, void *p) {
-    if (p) owned_release(e, p);
+    if (p) owned_release(e, p, NULL);
 }
 
 void p2p_stats_get(p2p_engine *e, p2p_stats *out) {

@@ -40,8 +40,12 @@ typedef struct p2p_config {
     double timeout_s;        /* default deadline for every wait (0 → 30) */
     int nccl_num_channels;   /* NCCL maxCTAs for the pair communicators (0: NCCL's default) */
     const char *fingerprint; /* model fingerprint; peers must match (first contact) */
-    struct pd_backend
-        *backend;    /* for device buffers with NCCL (may be NULL for tcp); unused so far */
+    /* nccl: the backend whose queued kernels fill the device buffers handed
+     * to p2p_put / p2p_put_async / p2p_offer. Those calls then record an
+     * event on its queue (so they must run on the backend's thread) and the
+     * transfer waits for it on the GPU: callers need not wait for their
+     * kernels. NULL: buffers are ready when handed over. Unused for tcp. */
+    struct pd_backend *backend;
     int nccl_device; /* addition: CUDA device ordinal of the nccl transport (default 0) */
     /* Addition (tcp): TCP connections to each peer, tensors spread over them
      * (and as many ZMQ I/O threads), since one stream tops out near a

@@ -277,7 +277,8 @@ static void begin_data(p2p_engine *e, p2p_peer *p, p2p_op *op) {
     op->state = OPS_WAIT_ACK;
     if (op->meta.nbytes == 0) {
         op->local_done = true;
-    } else if (p2p_nccl_send(p->comm, op->data->data, op->meta.nbytes, &op->nop, &err) != 0) {
+    } else if (p2p_nccl_send(p->comm, op->data->data, op->meta.nbytes, op->data->ready, &op->nop,
+                             &err) != 0) {
         p2p_client_comm_reset(e, p->addr, err.msg);
         p2p_op_finish(e, op, false, "%s", err.msg);
     }
@@ -324,7 +325,7 @@ static void on_get_ok(p2p_engine *e, p2p_peer *p, p2p_op *op, const p2p_reply *r
         if (p->comm && !p->comm_ready && p2p_nccl_comm_poll(p->comm, &err) == 1)
             p->comm_ready = true;
         if (r->meta.nbytes > 0) {
-            op->dev_buf = p2p_nccl_alloc(e->cfg.nccl_device, r->meta.nbytes, &err);
+            op->dev_buf = p2p_nccl_alloc(e->dev_mem, r->meta.nbytes, &err);
             if (!op->dev_buf || !p->comm_ready ||
                 p2p_nccl_recv(p->comm, op->dev_buf, r->meta.nbytes, &op->nop, &err) != 0) {
                 if (!p->comm_ready)

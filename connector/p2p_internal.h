@@ -22,6 +22,11 @@ typedef struct p2p_blob {
     size_t nbytes;
     bool on_device;
     bool borrowed; /* the caller's memory (blocking PUT over nccl): never freed here */
+    /* nccl: the caller's kernels that fill data were queued before this
+     * event (p2p_nccl_event_create, recorded on p2p_config.backend), so
+     * sends of data, and its freeing, wait for it on the GPU. NULL: data
+     * was ready when handed over. Destroyed with the blob. */
+    void *ready;
     /* Set for a caller's tcp buffer when p2p_config.host_free is: how it
      * goes back (else p2p_buffer_release). */
     void (*release)(void *ctx, void *p);
@@ -163,6 +168,7 @@ struct p2p_engine {
     size_t async_bytes;   /* PUT_ASYNC in flight */
     size_t get_size_hint; /* GET: the size of the last tensor pulled (layers are alike) */
     int lanes;            /* connections per peer (tcp_streams; 1 on nccl) */
+    p2p_nccl_mem *dev_mem; /* nccl: where device buffers come from */
     unsigned next_lane;   /* round robin over them, per op */
     p2p_stats stats;
 };

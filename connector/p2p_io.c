@@ -190,7 +190,7 @@ void p2p_op_finish(p2p_engine *e, p2p_op *op, bool ok, const char *fmt, ...) {
     /* The bytes are not needed any more; only the record may live on. */
     p2p_nccl_op_free(op->nop);
     op->nop = NULL;
-    if (op->dev_buf) p2p_nccl_free(op->dev_buf);
+    if (op->dev_buf) p2p_nccl_free(op->dev_buf, NULL);
     op->dev_buf = NULL;
     if (!op->blocking) {
         p2p_blob_unref(op->data);

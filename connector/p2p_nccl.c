@@ -25,6 +25,7 @@ struct p2p_nccl_op {
     p2p_nccl_comm *c;         /* NULL once the communicator is gone */
     struct p2p_nccl_op *next; /* in c->ops (all of the comm's transfers) */
     bool is_send;
+    cudaEvent_t ready; /* send: start after this event on the GPU (NULL: at once) */
     void *buf;
     size_t nbytes;
     bool posted;   /* the NCCL call was made */
@@ -139,6 +140,15 @@ static void comm_pump(p2p_nccl_comm *c) {
         if (op->posted) continue;
         op->posted = true;
         int peer = c->rank ^ 1;
+        if (op->ready) {
+            /* The buffer's writer queued its kernels elsewhere: order the
+             * send after them on the GPU, not by waiting here. */
+            cudaError_t crc = cudaStreamWaitEvent(c->stream, op->ready, 0);
+            if (crc != cudaSuccess) {
+                op_fail(op, cudaGetErrorString(crc));
+                continue;
+            }
+        }
         ncclResult_t rc = op->is_send
                               ? ncclSend(op->buf, op->nbytes, ncclInt8, peer, c->comm, c->stream)
                               : ncclRecv(op->buf, op->nbytes, ncclInt8, peer, c->comm, c->stream);
@@ -159,8 +169,8 @@ static void comm_pump(p2p_nccl_comm *c) {
     }
 }
 
-static int post(p2p_nccl_comm *c, bool is_send, void *buf, size_t nbytes, p2p_nccl_op **out,
-                pd_err *err) {
+static int post(p2p_nccl_comm *c, bool is_send, void *buf, size_t nbytes, void *ready,
+                p2p_nccl_op **out, pd_err *err) {
     *out = NULL;
     p2p_nccl_op *op = calloc(1, sizeof *op);
     if (!op) return pd_fail(err, "out of memory");
@@ -171,6 +181,7 @@ static int post(p2p_nccl_comm *c, bool is_send, void *buf, size_t nbytes, p2p_nc
     }
     op->c = c;
     op->is_send = is_send;
+    op->ready = (cudaEvent_t)ready;
     op->buf = buf;
     op->nbytes = nbytes;
     p2p_nccl_op **pp = &c->ops;
@@ -182,13 +193,13 @@ static int post(p2p_nccl_comm *c, bool is_send, void *buf, size_t nbytes, p2p_nc
     return 0;
 }
 
-int p2p_nccl_send(p2p_nccl_comm *c, const void *dev, size_t nbytes, p2p_nccl_op **out,
-                  pd_err *err) {
-    return post(c, true, (void *)dev, nbytes, out, err);
+int p2p_nccl_send(p2p_nccl_comm *c, const void *dev, size_t nbytes, void *ready_event,
+                  p2p_nccl_op **out, pd_err *err) {
+    return post(c, true, (void *)dev, nbytes, ready_event, out, err);
 }
 
 int p2p_nccl_recv(p2p_nccl_comm *c, void *dev, size_t nbytes, p2p_nccl_op **out, pd_err *err) {
-    return post(c, false, dev, nbytes, out, err);
+    return post(c, false, dev, nbytes, NULL, out, err);
 }
 
 int p2p_nccl_op_poll(p2p_nccl_op *op, pd_err *err) {
@@ -234,22 +245,94 @@ void p2p_nccl_comm_destroy(p2p_nccl_comm *c) {
     free(c);
 }
 
-void *p2p_nccl_alloc(int device, size_t nbytes, pd_err *err) {
+int p2p_nccl_event_create(void **ev, pd_err *err) {
+    cudaEvent_t e = NULL;
+    cudaError_t crc = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    *ev = crc == cudaSuccess ? e : NULL;
+    return crc == cudaSuccess ? 0 : cuda_fail(err, "cudaEventCreate", crc);
+}
+
+void p2p_nccl_event_destroy(void *ev) {
+    if (ev) cudaEventDestroy((cudaEvent_t)ev); /* CUDA keeps it until pending waits are done */
+}
+
+struct p2p_nccl_mem {
+    cudaMemPool_t pool;
+    int device;
+};
+
+/* Makes device current on this thread and returns the one to go back to. */
+static int enter_device(int device) {
     int prev = -1;
     cudaGetDevice(&prev);
     if (prev != device) cudaSetDevice(device);
-    void *p = NULL;
-    cudaError_t crc = cudaMalloc(&p, nbytes ? nbytes : 1);
+    return prev;
+}
+
+static void leave_device(int prev, int device) {
     if (prev >= 0 && prev != device) cudaSetDevice(prev);
+}
+
+int p2p_nccl_mem_create(int device, size_t keep_bytes, p2p_nccl_mem **out, pd_err *err) {
+    *out = NULL;
+    p2p_nccl_mem *m = calloc(1, sizeof *m);
+    if (!m) return pd_fail(err, "out of memory");
+    m->device = device;
+    struct cudaMemPoolProps props;
+    memset(&props, 0, sizeof props);
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    cudaError_t crc = cudaMemPoolCreate(&m->pool, &props);
     if (crc != cudaSuccess) {
-        cuda_fail(err, "cudaMalloc", crc);
+        free(m);
+        return cuda_fail(err, "transport nccl: cudaMemPoolCreate", crc);
+    }
+    /* Without a threshold the pool hands freed memory back to the driver at
+     * every synchronization, and each layer's buffer would be mapped anew. */
+    uint64_t keep = keep_bytes;
+    cudaMemPoolSetAttribute(m->pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    *out = m;
+    return 0;
+}
+
+void p2p_nccl_mem_destroy(p2p_nccl_mem *m) {
+    if (!m) return;
+    cudaMemPoolDestroy(m->pool);
+    free(m);
+}
+
+/* Allocation and freeing are ordered on the calling thread's per-thread
+ * default stream, which nothing else of ours uses; the sync after an
+ * allocation is what makes the buffer usable from every other stream (it
+ * also waits for a reused block's earlier free, see p2p_nccl_free). */
+void *p2p_nccl_alloc(p2p_nccl_mem *m, size_t nbytes, pd_err *err) {
+    int prev = enter_device(m->device);
+    void *p = NULL;
+    cudaError_t crc =
+        cudaMallocFromPoolAsync(&p, nbytes ? nbytes : 1, m->pool, cudaStreamPerThread);
+    if (crc == cudaSuccess) crc = cudaStreamSynchronize(cudaStreamPerThread);
+    leave_device(prev, m->device);
+    if (crc != cudaSuccess) {
+        cudaGetLastError();
+        cuda_fail(err, "transport nccl: device buffer", crc);
+        if (p) cudaFreeAsync(p, cudaStreamPerThread);
         return NULL;
     }
     return p;
 }
 
-void p2p_nccl_free(void *p) {
-    if (p) cudaFree(p);
+void p2p_nccl_free(void *p, void *after_event) {
+    if (!p) return;
+    struct cudaPointerAttributes attr;
+    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+        cudaGetLastError();
+        return;
+    }
+    int prev = enter_device(attr.device);
+    if (after_event) cudaStreamWaitEvent(cudaStreamPerThread, (cudaEvent_t)after_event, 0);
+    cudaFreeAsync(p, cudaStreamPerThread);
+    leave_device(prev, attr.device);
 }
 
 #endif

@@ -20,6 +20,7 @@
 
 typedef struct p2p_nccl_comm p2p_nccl_comm;
 typedef struct p2p_nccl_op p2p_nccl_op;
+typedef struct p2p_nccl_mem p2p_nccl_mem;
 
 #ifdef PDSERVE_HAVE_NCCL
 
@@ -33,14 +34,31 @@ int p2p_nccl_comm_start(const uint8_t uid[P2P_NCCL_UID_BYTES], int rank, int dev
 int p2p_nccl_comm_poll(p2p_nccl_comm *c, pd_err *err);
 /* Aborts (never waits on a peer) and frees. Ops on it must not be polled afterwards. */
 void p2p_nccl_comm_destroy(p2p_nccl_comm *c);
-/* Posts a send/recv of nbytes to/from the other rank on the comm's stream. */
-int p2p_nccl_send(p2p_nccl_comm *c, const void *dev, size_t nbytes, p2p_nccl_op **out, pd_err *err);
+/* Posts a send/recv of nbytes to/from the other rank on the comm's stream.
+ * A send with ready_event (NULL: none) starts on the GPU only once the work
+ * queued before that event is done, so the caller need not wait for the
+ * kernels that write dev; the event must stay alive until the op is freed. */
+int p2p_nccl_send(p2p_nccl_comm *c, const void *dev, size_t nbytes, void *ready_event,
+                  p2p_nccl_op **out, pd_err *err);
 int p2p_nccl_recv(p2p_nccl_comm *c, void *dev, size_t nbytes, p2p_nccl_op **out, pd_err *err);
 /* 1 = complete, 0 = in flight, -1 = failed (err). */
 int p2p_nccl_op_poll(p2p_nccl_op *op, pd_err *err);
 void p2p_nccl_op_free(p2p_nccl_op *op);
-void *p2p_nccl_alloc(int device, size_t nbytes, pd_err *err);
-void p2p_nccl_free(void *p);
+/* A CUDA event (cudaEvent_t) for a caller to record after the work that
+ * fills a buffer: a CUDA pd_backend's event_record takes it. */
+int p2p_nccl_event_create(void **ev, pd_err *err);
+void p2p_nccl_event_destroy(void *ev); /* NULL is fine */
+/* Device buffers from a memory pool of the engine's own (CUDA's
+ * stream-ordered allocator): cudaMalloc and cudaFree wait for the whole
+ * GPU, which would stall the model's stream at every KV layer. The pool
+ * keeps up to keep_bytes of freed memory for the next buffers. */
+int p2p_nccl_mem_create(int device, size_t keep_bytes, p2p_nccl_mem **out, pd_err *err);
+void p2p_nccl_mem_destroy(p2p_nccl_mem *m); /* buffers still out are freed as they come back */
+/* The buffer is ready for any stream when it returns. */
+void *p2p_nccl_alloc(p2p_nccl_mem *m, size_t nbytes, pd_err *err);
+/* Gives p back (to its pool) once the work queued before after_event (NULL:
+ * none) is done; nothing else may still use p on the GPU. Any thread. */
+void p2p_nccl_free(void *p, void *after_event);
 
 #else
 
@@ -67,15 +85,15 @@ static inline int p2p_nccl_comm_poll(p2p_nccl_comm *c, pd_err *err) {
 static inline void p2p_nccl_comm_destroy(p2p_nccl_comm *c) {
     (void)c;
 }
-static inline int p2p_nccl_send(p2p_nccl_comm *c, const void *dev, size_t nbytes, p2p_nccl_op **out,
-                                pd_err *err) {
-    (void)c, (void)dev, (void)nbytes;
+static inline int p2p_nccl_send(p2p_nccl_comm *c, const void *dev, size_t nbytes, void *ready_event,
+                                p2p_nccl_op **out, pd_err *err) {
+    (void)c, (void)dev, (void)nbytes, (void)ready_event;
     *out = NULL;
     return p2p_nccl_use_device(0, err);
 }
 static inline int p2p_nccl_recv(p2p_nccl_comm *c, void *dev, size_t nbytes, p2p_nccl_op **out,
                                 pd_err *err) {
-    return p2p_nccl_send(c, dev, nbytes, out, err);
+    return p2p_nccl_send(c, dev, nbytes, NULL, out, err);
 }
 static inline int p2p_nccl_op_poll(p2p_nccl_op *op, pd_err *err) {
     (void)op;
@@ -84,13 +102,29 @@ static inline int p2p_nccl_op_poll(p2p_nccl_op *op, pd_err *err) {
 static inline void p2p_nccl_op_free(p2p_nccl_op *op) {
     (void)op;
 }
-static inline void *p2p_nccl_alloc(int device, size_t nbytes, pd_err *err) {
-    (void)nbytes;
-    p2p_nccl_use_device(device, err);
+static inline int p2p_nccl_event_create(void **ev, pd_err *err) {
+    *ev = NULL;
+    return p2p_nccl_use_device(0, err);
+}
+static inline void p2p_nccl_event_destroy(void *ev) {
+    (void)ev;
+}
+static inline int p2p_nccl_mem_create(int device, size_t keep_bytes, p2p_nccl_mem **out,
+                                      pd_err *err) {
+    (void)keep_bytes;
+    *out = NULL;
+    return p2p_nccl_use_device(device, err);
+}
+static inline void p2p_nccl_mem_destroy(p2p_nccl_mem *m) {
+    (void)m;
+}
+static inline void *p2p_nccl_alloc(p2p_nccl_mem *m, size_t nbytes, pd_err *err) {
+    (void)m, (void)nbytes;
+    p2p_nccl_use_device(0, err);
     return NULL;
 }
-static inline void p2p_nccl_free(void *p) {
-    (void)p;
+static inline void p2p_nccl_free(void *p, void *after_event) {
+    (void)p, (void)after_event;
 }
 
 #endif

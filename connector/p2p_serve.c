@@ -77,7 +77,7 @@ void p2p_serve_comm_reset(p2p_engine *e, const char *identity, const char *why) 
         if (rx->state != RX_RECVING || strcmp(rx->peer, identity) != 0) continue;
         p2p_nccl_op_free(rx->nop);
         rx->nop = NULL;
-        p2p_nccl_free(rx->dev_buf);
+        p2p_nccl_free(rx->dev_buf, NULL);
         rx->dev_buf = NULL;
         if (rx->dropped) {
             e->buffered -= rx->counted;
@@ -193,7 +193,7 @@ static void on_put(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len) 
                   "no NCCL communicator with %s (NEW missing)", who);
             return;
         }
-        dev = p2p_nccl_alloc(e->cfg.nccl_device, n, &err);
+        dev = p2p_nccl_alloc(e->dev_mem, n, &err);
         if (!dev) {
             reply(e, who, P2P_CMD_PUT, m.tensor_id, P2P_RET_RETRY, "no room on the device: %s",
                   err.msg);
@@ -203,7 +203,7 @@ static void on_put(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len) 
     if (!rx) {
         rx = calloc(1, sizeof *rx);
         if (!rx) {
-            p2p_nccl_free(dev);
+            p2p_nccl_free(dev, NULL);
             reply(e, who, P2P_CMD_PUT, m.tensor_id, P2P_RET_RETRY, "out of memory");
             return;
         }
@@ -328,7 +328,8 @@ static void on_get(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len) 
     send_reply(e, who, &r, NULL);
     snprintf(op->in_peer, sizeof op->in_peer, "%s", who);
     op->state = OPS_OFFER_SENDING;
-    if (p2p_nccl_send(ip->comm, op->data->data, op->meta.nbytes, &op->nop, &err) != 0)
+    if (p2p_nccl_send(ip->comm, op->data->data, op->meta.nbytes, op->data->ready, &op->nop, &err) !=
+        0)
         p2p_serve_comm_reset(e, who, err.msg); /* fails op */
 }
 
@@ -459,7 +460,7 @@ void p2p_serve_poll_nccl(p2p_engine *e, double now) {
         p2p_nccl_op_free(rx->nop);
         rx->nop = NULL;
         if (rx->dropped) {
-            p2p_nccl_free(rx->dev_buf);
+            p2p_nccl_free(rx->dev_buf, NULL);
             rx->dev_buf = NULL;
             e->buffered -= rx->counted;
             rx->counted = 0;

@@ -203,7 +203,9 @@ struct pd_backend {
      * the one before). NULL where every op has finished when it returns
      * (the CPU). event_record places ev after everything queued so far
      * (never inside a graph capture); event_wait returns once that work is
-     * done and reports a deferred error as sync does. */
+     * done and reports a deferred error as sync does. On a CUDA backend an
+     * event is a cudaEvent_t, and event_record also takes one made
+     * elsewhere (the nccl KV transport orders its sends after it). */
     int (*event_create)(pd_backend *be, void **ev, pd_err *err);
     int (*event_record)(pd_backend *be, void *ev, pd_err *err);
     int (*event_wait)(pd_backend *be, void *ev, pd_err *err);

@@ -18,23 +18,77 @@ int main(void) {
 #include <string.h>
 #include <unistd.h>
 
+#include "model/backend.h"
 #include "tests/connector/p2p_test_util.h"
 
 #define MB (1024u * 1024u)
 
-static p2p_engine *mk(int device, double budget, double timeout) {
+/* A stand-in for the model's backend: only what the transfer engine uses
+ * (recording its ready events on a stream of ours, where the test queues
+ * the late writes of a buffer). */
+typedef struct {
+    pd_backend be;
+    cudaStream_t stream;
+} slow_writer;
+
+static int writer_record(pd_backend *be, void *ev, pd_err *err) {
+    cudaError_t rc = cudaEventRecord((cudaEvent_t)ev, ((slow_writer *)be)->stream);
+    return rc == cudaSuccess ? 0 : pd_fail(err, "%s", cudaGetErrorString(rc));
+}
+
+static int writer_sync(pd_backend *be, pd_err *err) {
+    cudaError_t rc = cudaStreamSynchronize(((slow_writer *)be)->stream);
+    return rc == cudaSuccess ? 0 : pd_fail(err, "%s", cudaGetErrorString(rc));
+}
+
+static void CUDART_CB sleep_300ms(void *arg) {
+    (void)arg;
+    usleep(300 * 1000);
+}
+
+static void writer_init(slow_writer *w, int device) {
+    memset(w, 0, sizeof *w);
+    cudaSetDevice(device);
+    cudaStreamCreateWithFlags(&w->stream, cudaStreamNonBlocking);
+    w->be.name = "test writer";
+    w->be.device = device;
+    w->be.event_record = writer_record;
+    w->be.sync = writer_sync;
+}
+
+/* Queues, on w's stream, a memset of d to byte that happens 300 ms from now. */
+static void write_late(slow_writer *w, void *d, int byte, size_t n) {
+    cudaLaunchHostFunc(w->stream, sleep_300ms, NULL);
+    cudaMemsetAsync(d, byte, n, w->stream);
+}
+
+static bool all_bytes(const void *d, int byte, size_t n) {
+    uint8_t *h = malloc(n);
+    bool ok = h && cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost) == cudaSuccess;
+    for (size_t i = 0; ok && i < n; i++)
+        ok = h[i] == (uint8_t)byte;
+    free(h);
+    return ok;
+}
+
+static p2p_engine *mk_with(int device, double budget, double timeout, pd_backend *be) {
     p2p_config cfg = {.kv_ip = "127.0.0.1",
                       .kv_buffer_size = budget,
                       .send_type = P2P_PUT_ASYNC,
                       .transport = P2P_NCCL,
                       .timeout_s = timeout,
                       .fingerprint = "nccl test",
-                      .nccl_device = device};
+                      .nccl_device = device,
+                      .backend = be};
     p2p_engine *e = NULL;
     pd_err err;
     if (p2p_create(&cfg, &e, &err) != 0)
         fprintf(stderr, "p2p_create on GPU %d: %s\n", device, err.msg);
     return e;
+}
+
+static p2p_engine *mk(int device, double budget, double timeout) {
+    return mk_with(device, budget, timeout, NULL);
 }
 
 /* A device buffer on e's GPU holding id's pattern. */
@@ -59,6 +113,107 @@ static bool holds(const p2p_tensor *t, const char *id, size_t n) {
     free(got);
     free(want);
     return ok;
+}
+
+/* Device buffers come from the engine's pool and go back to it: sizes
+ * from 1 byte to 16 MiB, allocated and freed many times over, each one
+ * holding what was written to it. */
+static void pool_reuse(void) {
+    p2p_engine *P = mk(0, 64 * MB, 1);
+    CHECK(P != NULL);
+    if (!P) return;
+    int bad = 0, reused = 0;
+    void *last[4] = {0};
+    const size_t sizes[4] = {1, 4096, 1 * MB + 7, 16 * MB};
+    for (int round = 0; round < 50; round++)
+        for (int k = 0; k < 4; k++) {
+            char id[32];
+            snprintf(id, sizeof id, "pool%d.%d", round, k);
+            void *d = dev_data(P, id, sizes[k]);
+            if (!d) {
+                bad++;
+                continue;
+            }
+            reused += d == last[k];
+            last[k] = d;
+            p2p_tensor t = {.nbytes = sizes[k], .data = d, .on_device = true};
+            snprintf(t.id, sizeof t.id, "%s", id);
+            snprintf(t.dtype, sizeof t.dtype, "uint8");
+            bad += !holds(&t, id, sizes[k]);
+            p2p_buffer_free(P, d);
+        }
+    CHECKF(bad == 0, "%d of 200 pooled buffers missing or wrong", bad);
+    printf("pool: the same address again in %d of 196 allocations\n", reused);
+    p2p_destroy(P);
+}
+
+/* A buffer handed over while the caller's queued work still writes it:
+ * when the hand-over fails at once (a bad tensor), the engine frees the
+ * buffer, but only after that work (the event it records on the backend),
+ * so a buffer allocated next, maybe the same memory, is not overwritten by
+ * the late write. */
+static void free_waits_for_writer(void) {
+    slow_writer w;
+    writer_init(&w, 0);
+    p2p_engine *P = mk_with(0, 64 * MB, 1, &w.be);
+    CHECK(P != NULL);
+    if (!P) return;
+    pd_err err;
+    const size_t n = 4 * MB;
+    int64_t shape[1] = {(int64_t)n};
+    void *a = p2p_buffer_alloc(P, n, &err);
+    CHECK(a != NULL);
+    write_late(&w, a, 0xAB, n);
+    CHECK(p2p_put_async(P, "127.0.0.1:1", "bad", "", 1, shape, a, n, 0, &err) != 0 &&
+          strstr(err.msg, "dtype"));
+    void *b = p2p_buffer_alloc(P, n, &err);
+    CHECK(b != NULL);
+    if (b) cudaMemset(b, 0x11, n);
+    cudaStreamSynchronize(w.stream);
+    CHECKF(b && all_bytes(b, 0x11, n),
+           "a buffer allocated after a failed hand-over was overwritten by the late write "
+           "(same memory: %s)",
+           a == b ? "yes" : "no");
+    printf("free after the writer: the next buffer %s the same memory\n", a == b ? "is" : "is not");
+    p2p_buffer_free(P, b);
+    p2p_destroy(P);
+    cudaStreamDestroy(w.stream);
+}
+
+/* Two GPUs: a send waits on the GPU for the caller's queued writes of its
+ * buffer (the event recorded at p2p_put_async / p2p_offer), so the
+ * receiver gets the written bytes, not what was there at the call. */
+static void send_waits_for_writer(p2p_engine *D) {
+    slow_writer w;
+    writer_init(&w, 0);
+    p2p_engine *P = mk_with(0, 2e9, 20, &w.be);
+    CHECK(P != NULL);
+    if (!P) return;
+    pd_err err;
+    const size_t n = 8 * MB;
+    int64_t shape[1] = {(int64_t)n};
+    for (int mode = 1; mode < 3; mode++) {
+        char id[32];
+        snprintf(id, sizeof id, "late%d", mode);
+        void *d = p2p_buffer_alloc(P, n, &err);
+        CHECK(d != NULL);
+        if (!d) break;
+        cudaMemset(d, 0x22, n);
+        write_late(&w, d, 0x40 + mode, n);
+        double t0 = pd_now();
+        int rc = mode == 1 ? p2p_put_async(P, p2p_address(D), id, "uint8", 1, shape, d, n, 0, &err)
+                           : p2p_offer(P, id, "uint8", 1, shape, d, n, 0, &err);
+        if (rc == 0 && mode == 2) rc = p2p_fetch(D, p2p_address(P), id, 0, &err);
+        CHECKF(rc == 0 && pd_now() - t0 < 0.2, "mode %d: %s (the call took %.2f s)", mode,
+               rc ? err.msg : "ok", pd_now() - t0);
+        p2p_tensor *t = NULL;
+        rc = take_wait(D, id, 20, &t, &err);
+        CHECKF(rc == 1 && t && t->nbytes == n && all_bytes(t->data, 0x40 + mode, n),
+               "mode %d: the receiver did not get the late write (take %d)", mode, rc);
+        p2p_tensor_free(D, t);
+    }
+    p2p_destroy(P);
+    cudaStreamDestroy(w.stream);
 }
 
 /* One GPU: what can be checked without a partner — a consumer that never joins the
@@ -95,6 +250,8 @@ int main(void) {
         printf("no GPU: skipped\n");
         return 0;
     }
+    pool_reuse();
+    free_waits_for_writer();
     if (n < 2) {
         single_gpu();
         printf("no GPU: skipped (1 CUDA device: single-GPU checks only, transfers need 2)\n");
@@ -158,6 +315,7 @@ int main(void) {
             p2p_tensor_free(D, t);
         }
     CHECKF(bad == 0, "%d of 96 concurrent tensors missing or wrong", bad);
+    send_waits_for_writer(D);
     /* Drop of an offer frees it on the producer. */
     int64_t s1[1] = {4096};
     CHECK(p2p_offer(P, "dropme", "uint8", 1, s1, dev_data(P, "dropme", 4096), 4096, 0, &err) == 0);
