@@ -11,7 +11,12 @@ Starts pdproxy (discovery on), a prefill instance (kv_producer), a decode
 instance (kv_consumer) — both announcing themselves to the proxy — and a
 colocated instance, all `pdserve serve --device DEVICE` on the same device
 (or prefill and decode on --prefill-device / --decode-device: the nccl
-transport needs them on two different GPUs, as NCCL puts one rank per GPU).
+transport wants them on two different GPUs, as NCCL puts one rank per GPU).
+With --transport nccl and both on one GPU, the two instances get different
+NCCL_HOSTIDs (and NCCL_SOCKET_IFNAME=lo), so NCCL takes them for two hosts
+and joins them through its socket transport over loopback: the whole nccl
+path of pdserve runs (device buffers, ready events, ncclSend/ncclRecv), at
+socket speed, not NVLink's. A check of correctness, not a benchmark.
 
 1. Correctness (instances in --check-dtype, default float32 so that rounding
    cannot flip a greedy near tie): --requests completions (temperature 0,
@@ -201,16 +206,23 @@ def start_stack(a, dtype, model, pdserve, pdproxy, log_dir, tag):
         # Three instances share one GPU: each takes a share of its memory, as
         # vLLM instances side by side must (the default 0.9 fits only one).
         common += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)]
+    env_p, env_d = env_for(pdserve), env_for(pdserve)
+    if a.transport == "nccl" and dev["prefill"] == dev["decode"]:
+        for env, host in ((env_p, "pdserve-prefill"), (env_d, "pdserve-decode")):
+            env.update(NCCL_HOSTID=host, NCCL_SOCKET_IFNAME="lo")
+        if tag == "check":
+            print("nccl with prefill and decode on one GPU (%s): NCCL_HOSTID differs per instance, so NCCL "
+                  "joins them through its socket transport (loopback), not GPU to GPU" % dev["prefill"])
     try:
         stack.start(tag + "-proxy", [pdproxy, "--host", "127.0.0.1", "--port", str(px), "--discovery-port",
                                      str(disc), "--discovery-host", "127.0.0.1", "--log-level", a.log_level],
                     env_for(pdproxy))
         stack.start(tag + "-prefill", [pdserve, "serve"] + common + [
             "--device", dev["prefill"], "--port", str(p_http), "--kv-transfer-config", kv_config("kv_producer", p_kv, disc, p_http, a)],
-            env_for(pdserve))
+            env_p)
         stack.start(tag + "-decode", [pdserve, "serve"] + common + [
             "--device", dev["decode"], "--port", str(d_http), "--block-size", str(a.decode_block_size),
-            "--kv-transfer-config", kv_config("kv_consumer", d_kv, disc, d_http, a)], env_for(pdserve))
+            "--kv-transfer-config", kv_config("kv_consumer", d_kv, disc, d_http, a)], env_d)
         stack.start(tag + "-colocated", [pdserve, "serve"] + common + ["--device", dev["colocated"], "--port",
                                                                         str(c_http)], env_for(pdserve))
         urls = {k: "http://127.0.0.1:%d" % v for k, v in
