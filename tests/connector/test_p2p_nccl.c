@@ -1,7 +1,10 @@
 /* test_p2p_nccl: the KV transfer engine over the nccl transport, GPU 0 to
- * GPU 1, two engines in this process. Needs two GPUs: with fewer (or without
- * NCCL compiled in) it prints why it skipped and passes. Labelled "gpu" in
- * ctest, so CPU CI can exclude it with -LE gpu. */
+ * GPU 1, two engines in this process. With one GPU, NCCL refuses two ranks
+ * on it, unless they seem to be on two hosts: then the test runs the
+ * transfers between this process and a child of it, each given its own
+ * NCCL_HOSTID, and NCCL joins them through its socket transport (loopback).
+ * Without a GPU (or NCCL compiled in) it prints why it skipped and passes.
+ * Labelled "gpu" in ctest, so CPU CI can exclude it with -LE gpu. */
 #include "connector/p2p.h"
 #include "tests/common/testlib.h"
 
@@ -16,6 +19,9 @@ int main(void) {
 #include <cuda_runtime.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "model/backend.h"
@@ -243,9 +249,188 @@ static void single_gpu(void) {
     CHECKF(pd_now() - t0 < 3, "destroy took %.2f s", pd_now() - t0);
 }
 
+/* ---- one GPU, two processes ---- */
+
+/* What the producer sends and the consumer checks, in this order: each way
+ * of sending at four sizes, 24 layers in flight at once, and two buffers
+ * whose bytes are written by work queued after the call (late != 0: every
+ * byte must be late). */
+typedef struct {
+    char id[32];
+    size_t nbytes;
+    int mode; /* 0 p2p_put, 1 p2p_put_async, 2 p2p_offer + p2p_fetch */
+    int late;
+} planned_tensor;
+
+static int make_plan(planned_tensor *p) {
+    const size_t sizes[] = {1, 4096, 1 * MB + 3, 64 * MB};
+    int n = 0;
+    for (int mode = 0; mode < 3; mode++)
+        for (int k = 0; k < 4; k++, n++) {
+            p[n] = (planned_tensor){.nbytes = sizes[k], .mode = mode};
+            snprintf(p[n].id, sizeof p[n].id, "m%d-%zu", mode, sizes[k]);
+        }
+    for (int l = 0; l < 24; l++, n++) {
+        p[n] = (planned_tensor){.nbytes = 100000 + (size_t)l * 997, .mode = 1};
+        snprintf(p[n].id, sizeof p[n].id, "req#%d", l);
+    }
+    for (int mode = 1; mode < 3; mode++, n++) {
+        p[n] = (planned_tensor){.nbytes = 8 * MB, .mode = mode, .late = 0x40 + mode};
+        snprintf(p[n].id, sizeof p[n].id, "late%d", mode);
+    }
+    return n;
+}
+
+#define PLAN_MAX 48
+
+/* One line from fd, waiting at most 120 s in all (a hung peer process
+ * must not hang the test). */
+static bool read_line(int fd, char *buf, size_t cap) {
+    size_t n = 0;
+    double end = pd_now() + 120;
+    while (n + 1 < cap) {
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        int left_ms = (int)((end - pd_now()) * 1e3);
+        if (left_ms <= 0 || poll(&pfd, 1, left_ms) != 1 || read(fd, buf + n, 1) != 1) return false;
+        if (buf[n] == '\n') break;
+        n++;
+    }
+    buf[n] = 0;
+    return n > 0;
+}
+
+/* The child: a consumer engine on GPU 0; tells the parent its address,
+ * learns the producer's, then takes (or fetches) every planned tensor and
+ * checks its bytes. Exit status: 0 when all arrived right. */
+static int consumer_main(int rfd, int wfd) {
+    p2p_engine *D = mk(0, 2e9, 30);
+    if (!D) return 2;
+    char line[128];
+    int n = snprintf(line, sizeof line, "%s\n", p2p_address(D));
+    if (write(wfd, line, (size_t)n) != n || !read_line(rfd, line, sizeof line)) return 3;
+    planned_tensor plan[PLAN_MAX];
+    int np = make_plan(plan), bad = 0;
+    pd_err err;
+    for (int i = 0; i < np; i++) {
+        const planned_tensor *t = &plan[i];
+        if (t->mode == 2 && p2p_fetch(D, line, t->id, 0, &err) != 0) {
+            fprintf(stderr, "consumer: fetch %s: %s\n", t->id, err.msg);
+            bad++;
+            continue;
+        }
+        p2p_tensor *got = NULL;
+        int rc = take_wait(D, t->id, 30, &got, &err);
+        bool ok =
+            rc == 1 && got && got->on_device &&
+            (t->late ? all_bytes(got->data, t->late, t->nbytes) : holds(got, t->id, t->nbytes));
+        if (!ok) {
+            fprintf(stderr, "consumer: %s (%zu bytes, mode %d%s) %s\n", t->id, t->nbytes, t->mode,
+                    t->late ? ", late write" : "",
+                    rc < 0 ? err.msg
+                    : rc   ? "wrong"
+                           : "missing");
+            bad++;
+        }
+        p2p_tensor_free(D, got);
+        if (rc == 0) { /* 30 s without it: the rest would wait as long */
+            bad += np - i - 1;
+            break;
+        }
+    }
+    printf("consumer: %d of %d tensors arrived right\n", np - bad, np);
+    n = snprintf(line, sizeof line, "%d\n", bad);
+    if (write(wfd, line, (size_t)n) != n) bad++;
+    p2p_destroy(D);
+    return bad ? 1 : 0;
+}
+
+/* The parent: starts the consumer (this program again, with its own
+ * NCCL_HOSTID) and sends it the plan from a producer engine whose ready
+ * events are recorded on a slow writer's stream. */
+static void one_gpu_pair(const char *self) {
+    int down[2], up[2];
+    CHECK(pipe(down) == 0 && pipe(up) == 0);
+    char fds[32];
+    snprintf(fds, sizeof fds, "%d,%d", down[0], up[1]);
+    pid_t pid = fork();
+    if (pid == 0) {
+        setenv("P2P_NCCL_CONSUMER_FDS", fds, 1);
+        setenv("NCCL_HOSTID", "pdserve-test-consumer", 1);
+        execl(self, "test_p2p_nccl (consumer)", (char *)NULL);
+        _exit(127);
+    }
+    close(down[0]);
+    close(up[1]);
+    CHECK(pid > 0);
+    char peer[128];
+    bool started = pid > 0 && read_line(up[0], peer, sizeof peer);
+    CHECKF(started, "the consumer process did not start");
+    slow_writer w;
+    writer_init(&w, 0);
+    p2p_engine *P = started ? mk_with(0, 2e9, 30, &w.be) : NULL;
+    CHECK(!started || P != NULL);
+    if (P) {
+        char line[128];
+        int n = snprintf(line, sizeof line, "%s\n", p2p_address(P));
+        CHECK(write(down[1], line, (size_t)n) == n);
+        planned_tensor plan[PLAN_MAX];
+        int np = make_plan(plan), failed = 0;
+        pd_err err;
+        double t0 = pd_now();
+        for (int i = 0; i < np; i++) {
+            const planned_tensor *t = &plan[i];
+            int64_t shape[1] = {(int64_t)t->nbytes};
+            void *d =
+                t->late ? p2p_buffer_alloc(P, t->nbytes, &err) : dev_data(P, t->id, t->nbytes);
+            if (d && t->late) {
+                cudaMemset(d, 0x22, t->nbytes);
+                write_late(&w, d, t->late, t->nbytes);
+            }
+            int rc = -1;
+            if (!d)
+                failed++;
+            else if (t->mode == 0) {
+                rc = p2p_put(P, peer, t->id, "uint8", 1, shape, d, t->nbytes, 0, &err);
+                p2p_buffer_free(P, d);
+            } else if (t->mode == 1)
+                rc = p2p_put_async(P, peer, t->id, "uint8", 1, shape, d, t->nbytes, 0, &err);
+            else
+                rc = p2p_offer(P, t->id, "uint8", 1, shape, d, t->nbytes, 0, &err);
+            if (d && rc != 0) {
+                fprintf(stderr, "producer: %s: %s\n", t->id, err.msg);
+                failed++;
+            }
+        }
+        for (int i = 0; i < np; i++)
+            if (plan[i].mode > 0 && status_wait(P, plan[i].id, 30, &err) != 1) {
+                fprintf(stderr, "producer: %s not delivered: %s\n", plan[i].id, err.msg);
+                failed++;
+            }
+        CHECKF(failed == 0, "producer: %d of %d sends failed", failed, np);
+        int bad = -1;
+        if (read_line(up[0], line, sizeof line)) bad = atoi(line);
+        CHECKF(bad == 0, "consumer: %d tensors missing or wrong (-1: no answer)", bad);
+        printf("one GPU, two processes over NCCL's socket transport: %d tensors in %.2f s\n", np,
+               pd_now() - t0);
+        p2p_destroy(P);
+    }
+    close(down[1]);
+    int status = 0;
+    if (pid > 0 && !P) kill(pid, SIGKILL); /* it may wait for an address that never comes */
+    if (pid > 0) waitpid(pid, &status, 0);
+    CHECKF(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+           "consumer process: exit status %d", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    close(up[0]);
+    cudaStreamDestroy(w.stream);
+}
+
 int main(void) {
     int n = 0;
     if (getenv("P2P_TEST_DEBUG")) pd_log_set_level(PD_LOG_DEBUG);
+    const char *consumer_fds = getenv("P2P_NCCL_CONSUMER_FDS");
+    int rfd = -1, wfd = -1;
+    if (consumer_fds && sscanf(consumer_fds, "%d,%d", &rfd, &wfd) == 2)
+        return consumer_main(rfd, wfd);
     if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
         printf("no GPU: skipped\n");
         return 0;
@@ -253,8 +438,13 @@ int main(void) {
     pool_reuse();
     free_waits_for_writer();
     if (n < 2) {
+        /* Before this process's first NCCL call, which reads them: the
+         * consumer child gets another host id, and loopback carries it. */
+        setenv("NCCL_HOSTID", "pdserve-test-producer", 1);
+        setenv("NCCL_SOCKET_IFNAME", "lo", 1);
         single_gpu();
-        printf("no GPU: skipped (1 CUDA device: single-GPU checks only, transfers need 2)\n");
+        one_gpu_pair("/proc/self/exe");
+        printf("1 CUDA device: transfers ran between two processes (two NCCL hosts on one GPU)\n");
         return test_finish();
     }
     p2p_engine *P = mk(0, 2e9, 20), *D = mk(1, 2e9, 20);
