@@ -525,7 +525,12 @@ int kv_connector_save(kv_connector *c, const kv_request_params *params, const in
      * backend's queue), so nothing here waits for the device. */
     void *dev = slots && !in_place ? scratch_reserve(c, &c->rows_buf, nbytes, err) : NULL;
     int rc = slots && (in_place || dev) ? 0 : -1;
-    for (int l = 0; l < c->layers && rc == 0; l++) {
+    /* The decode side computes the last prompt token itself and takes the
+     * KV of the ones before: a 1-token prompt has none to take (it drops
+     * the transfer at once), so nothing is sent. Over nccl a drop that met
+     * bytes already on their way would cost the pair's communicator. */
+    const int send_layers = n_tokens >= 2 ? c->layers : 0;
+    for (int l = 0; l < send_layers && rc == 0; l++) {
         void *buf = stage_layer(c, l, slots, n_tokens, dev, nbytes, err);
         rc = buf ? send_layer(c, params, out->transfer_id, l, shape, buf, nbytes, deadline, err)
                  : -1;
@@ -535,7 +540,7 @@ int kv_connector_save(kv_connector *c, const kv_request_params *params, const in
     if (rc != 0) return pd_wrap(err, "sending KV of %s to %s", request_tag, params->remote_kv_addr);
     pd_log(PD_LOG_DEBUG,
            "kv save %s: %d tokens x %d layers = %zu bytes as %s to %s (%s over %s) in %.2f ms",
-           request_tag, n_tokens, c->layers, nbytes * (size_t)c->layers, out->transfer_id,
+           request_tag, n_tokens, send_layers, nbytes * (size_t)send_layers, out->transfer_id,
            params->remote_kv_addr, kv_send_type_name(c->cfg.send_type), in_place ? "nccl" : "tcp",
            dt * 1e3);
     return 0;

@@ -58,6 +58,7 @@ static int comm_ensure(p2p_engine *e, p2p_peer *p, pd_err *err) {
         return pd_wrap(err, "NCCL communicator with %s", p->addr);
     p->comm_ready = false;
     p->comm_deadline = pd_now() + e->timeout_s;
+    p->comm_gen++;
     pd_log(PD_LOG_DEBUG, "kv p2p %s: NEW → %s (NCCL rank 0)", e->addr, p->addr);
     return 0;
 }
@@ -203,6 +204,7 @@ void p2p_client_start(p2p_engine *e, p2p_op *op) {
         }
         op->sent_any = true;
         op->state = OPS_WAIT_RESERVE;
+        op->put_comm_gen = p->comm_gen;
         pd_log(PD_LOG_DEBUG, "kv p2p %s: PUT %s → %s (%" PRIu64 " bytes, attempt %d)", e->addr,
                op->id, p->addr, op->meta.nbytes, op->retries + 1);
         return;
@@ -426,6 +428,18 @@ void p2p_client_reply(p2p_engine *e, p2p_peer *p, zmq_msg_t *frames, int n) {
             begin_data(e, p, op);
         } else if (r.ret == P2P_RET_RETRY) {
             snprintf(op->err.msg, sizeof op->err.msg, "%s", r.error);
+            /* The receiver lost its side of our communicator. Unless a NEW
+             * already went out after this PUT (it will have one by our
+             * next ask), ours is stale too: replace it, then ask again. */
+            if (r.new_comm && e->cfg.transport == P2P_NCCL &&
+                (!p->comm || op->put_comm_gen >= p->comm_gen)) {
+                pd_err err;
+                p2p_client_comm_reset(e, p->addr, "the peer has no communicator with us");
+                if (comm_ensure(e, p, &err) != 0) {
+                    p2p_op_finish(e, op, false, "%s", err.msg);
+                    break;
+                }
+            }
             backoff(e, op);
         } else {
             p2p_op_finish(e, op, false, "peer %s refused %s: %s", p->addr, op->id, r.error);

@@ -62,6 +62,7 @@ typedef struct p2p_op {
     bool reap;              /* unlink and free at the end of this I/O iteration */
     int retries;
     int lane; /* which of the peer's connections (tcp_streams) carries it */
+    uint64_t put_comm_gen; /* nccl: the peer's comm_gen when our PUT went out */
     bool lane_chosen;
     char id[P2P_ID_MAX];
     char peer[P2P_ADDR_MAX];
@@ -130,6 +131,7 @@ typedef struct p2p_peer {
     p2p_nccl_comm *comm; /* nccl: we are rank 0 */
     bool comm_ready;
     double comm_deadline;
+    uint64_t comm_gen; /* NEWs sent to it so far */
 } p2p_peer;
 
 /* An ABORT to send (from p2p_drop or a failed transfer). */

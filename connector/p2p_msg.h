@@ -76,6 +76,10 @@ typedef struct p2p_reply {
     bool has_meta;              /* GET ret 0: the full meta; GET ret 1 "no room": only nbytes */
     p2p_meta meta;
     char fingerprint[P2P_FP_MAX]; /* HELLO replies: the answering side's fingerprint */
+    /* PUT ret 1 over nccl, "new_comm": 1 on the wire: the receiver has no
+     * communicator with the sender (it tore its side down), so the sender
+     * must start a new one (NEW) before it asks again. */
+    bool new_comm;
 } p2p_reply;
 
 /* An encoded message: malloc'd bytes (free with free()). */

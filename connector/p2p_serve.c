@@ -174,10 +174,14 @@ static void on_put(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len) 
         return;
     }
     if (n > e->budget) {
-        reply(e, who, P2P_CMD_PUT, m.tensor_id, P2P_RET_REFUSED,
-              "kv_buffer_size %zu is smaller than one request's KV (%" PRIu64
-              " bytes for tensor %s)",
-              e->budget, n, m.tensor_id);
+        /* For good: also fail the id here, so the request waiting for it
+         * hears now, not at its deadline. */
+        pd_fail(&err,
+                "kv_buffer_size %zu is smaller than one request's KV (%" PRIu64
+                " bytes for tensor %s)",
+                e->budget, n, m.tensor_id);
+        p2p_rx_fail(e, m.tensor_id, who, &err);
+        reply(e, who, P2P_CMD_PUT, m.tensor_id, P2P_RET_REFUSED, "%s", err.msg);
         return;
     }
     if (n > e->budget - (e->buffered < e->budget ? e->buffered : e->budget)) {
@@ -189,8 +193,16 @@ static void on_put(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len) 
     void *dev = NULL;
     if (e->cfg.transport == P2P_NCCL && n > 0) {
         if (!ip->comm) {
-            reply(e, who, P2P_CMD_PUT, m.tensor_id, P2P_RET_REFUSED,
-                  "no NCCL communicator with %s (NEW missing)", who);
+            /* We tore our side down (a transfer on it failed) and the
+             * sender has not heard: it starts a new one and asks again. */
+            p2p_reply r;
+            memset(&r, 0, sizeof r);
+            r.ret = P2P_RET_RETRY;
+            r.reply_to = P2P_CMD_PUT;
+            r.new_comm = true;
+            snprintf(r.tensor_id, sizeof r.tensor_id, "%s", m.tensor_id);
+            snprintf(r.error, sizeof r.error, "no NCCL communicator with %s: send NEW", who);
+            send_reply(e, who, &r, NULL);
             return;
         }
         dev = p2p_nccl_alloc(e->dev_mem, n, &err);

@@ -251,6 +251,56 @@ out:
     opt_kv_storage_free(kv_p);
 }
 
+/* A 1-token prompt: the decode side computes that token itself and takes no
+ * KV, so the producer sends none (each send type), and the consumer's load,
+ * begun and ended at once as the engine does, leaves nothing behind. */
+static void one_token_prompt(opt_model *m, pd_backend *be) {
+    const kv_send_type sends[] = {KV_SEND_PUT, KV_SEND_PUT_ASYNC, KV_SEND_GET};
+    for (int s = 0; s < 3; s++) {
+        opt_kv_storage *kv_p = NULL, *kv_c = NULL;
+        pd_err err = {{0}};
+        CHECKF(opt_kv_storage_create(m, NUM_BLOCKS, BLOCK_SIZE, &kv_p, &err) == 0 &&
+                   opt_kv_storage_create(m, NUM_BLOCKS, BLOCK_SIZE, &kv_c, &err) == 0,
+               "%s", err.msg);
+        kv_connector *prod =
+            kv_p ? connector(KV_ROLE_PRODUCER, sends[s], false, m, kv_p, be) : NULL;
+        kv_connector *cons =
+            kv_c ? connector(KV_ROLE_CONSUMER, sends[s], false, m, kv_c, be) : NULL;
+        if (prod && cons) {
+            kv_request_params sp;
+            memset(&sp, 0, sizeof sp);
+            sp.present = sp.do_remote_decode = true;
+            snprintf(sp.remote_kv_addr, sizeof sp.remote_kv_addr, "%s", kv_connector_address(cons));
+            kv_save_result saved;
+            CHECKF(kv_connector_save(prod, &sp, prod_table, 1, "one", &saved, &err) == 0, "%s",
+                   err.msg);
+            CHECK(saved.num_tokens == 1 && saved.transfer_id[0]);
+            kv_request_params lp;
+            memset(&lp, 0, sizeof lp);
+            lp.present = lp.do_remote_prefill = true;
+            snprintf(lp.remote_kv_addr, sizeof lp.remote_kv_addr, "%s", saved.kv_addr);
+            snprintf(lp.remote_request_id, sizeof lp.remote_request_id, "%s", saved.transfer_id);
+            kv_load *load = NULL;
+            CHECKF(kv_connector_load_begin(cons, &lp, 1, "one", &load, &err) == 0, "%s", err.msg);
+            kv_connector_load_end(cons, load);
+            usleep(50 * 1000); /* anything sent would have arrived by now */
+            kv_connector_stats sp_st, sc_st;
+            kv_connector_stats_get(prod, &sp_st);
+            kv_connector_stats_get(cons, &sc_st);
+            CHECKF(sp_st.saves_ok == 1 && sp_st.bytes_sent == 0 && sp_st.sends_ok == 0 &&
+                       sc_st.bytes_received == 0 && sc_st.buffered_bytes == 0,
+                   "1-token prompt (%s): %llu saves, %llu bytes sent, %llu received, %zu buffered",
+                   kv_send_type_name(sends[s]), (unsigned long long)sp_st.saves_ok,
+                   (unsigned long long)sp_st.bytes_sent, (unsigned long long)sc_st.bytes_received,
+                   sc_st.buffered_bytes);
+        }
+        kv_connector_destroy(cons);
+        kv_connector_destroy(prod);
+        opt_kv_storage_free(kv_c);
+        opt_kv_storage_free(kv_p);
+    }
+}
+
 /* recv_into_pinned with room for 256 KiB of page-locked memory
  * (mem_pool_size_gb): a load of 64 KiB layers sets out two buffers of that
  * size; then a load of 128 KiB layers must get page-locked buffers too (the
@@ -325,6 +375,7 @@ int main(void) {
     if (m) transfer(KV_SEND_GET, true, true, m, be, 21, true);
     pool_gb = 0;
     if (m) pinned_size_classes(m, be);
+    if (m) one_token_prompt(m, be);
     CHECKF(atomic_load(&foreign_host_allocs) == 0,
            "host_alloc called %d times off the connector's thread",
            atomic_load(&foreign_host_allocs));

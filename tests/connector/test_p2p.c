@@ -313,6 +313,15 @@ static void test_tiny_budget(void) {
            err.msg);
     STATS_WAIT(P, s.offered_bytes == 0, 1);
     CHECK(stats(D).buffered_bytes == 0);
+    /* The consumer says so too: whoever waits for "f" learns it now, not at
+     * its deadline. */
+    p2p_tensor *never = NULL;
+    t0 = pd_now();
+    rc = take_wait(D, "f", 2, &never, &err);
+    CHECKF(rc == -1 && strstr(err.msg, "smaller than one request's KV") && pd_now() - t0 < 0.5,
+           "consumer's take of a refused tensor: %d after %.2f s: %s", rc, pd_now() - t0,
+           rc ? err.msg : "");
+    CHECK(stats(D).buffered_bytes == 0);
 
     /* GET mode: the consumer's budget is the limit; too big → clear error, and the producer frees
      * it (ABORT). */
