@@ -404,6 +404,7 @@ void kv_connector_stats_get(kv_connector *c, kv_connector_stats *out) {
     out->bytes_received = ps.bytes_received;
     out->buffered_bytes = ps.buffered_bytes + ps.offered_bytes;
     out->connections = ps.connections;
+    out->comm_resets = ps.comm_resets;
     pthread_mutex_lock(&c->pool.mu);
     out->host_pool_pinned_bytes = c->pool.pinned_bytes;
     out->host_pool_pageable_bytes = c->pool.pageable_bytes;

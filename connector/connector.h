@@ -160,6 +160,7 @@ typedef struct kv_connector_stats {
      * most mem_pool_size_gb) and ordinary */
     size_t host_pool_pinned_bytes, host_pool_pageable_bytes;
     int connections; /* open connections to peers (up to tcp_streams each) */
+    uint64_t comm_resets; /* nccl: pair communicators torn down */
 } kv_connector_stats;
 void kv_connector_stats_get(kv_connector *c, kv_connector_stats *out);
 

@@ -610,6 +610,14 @@ void p2p_drop(p2p_engine *e, const char *peer, const char *id) {
     if (rx && rx->state == RX_RECVING) {
         rx->dropped = true; /* the I/O thread frees it once NCCL is done writing */
         cancelled = true;
+    } else if (rx && rx->state == RX_RESERVED && rx->dev_buf) {
+        /* nccl: the producer may have posted its ncclSend already; without
+         * our ncclRecv the pair's communicator would be lost, with every
+         * transfer on it. So the reservation stays to take the bytes and
+         * throw them away, until the producer's answer to our ABORT says
+         * none are coming (or the reservation's deadline passes). */
+        rx->dropped = true;
+        cancelled = true;
     } else if (rx) {
         cancelled = rx->state == RX_RESERVED || rx->state == RX_READY;
         e->buffered -= rx->counted;

@@ -150,6 +150,7 @@ typedef struct p2p_stats {
     double last_send_ms, last_recv_ms; /* the latest successful transfer */
     uint64_t fingerprint_mismatches;   /* peers refused (either side) */
     int connections;                   /* open connections to peers (tcp_streams each, at most) */
+    uint64_t comm_resets; /* nccl: pair communicators torn down (each side counts its own) */
 } p2p_stats;
 void p2p_stats_get(p2p_engine *e, p2p_stats *out);
 

@@ -149,6 +149,7 @@ void p2p_client_close_idle(p2p_engine *e, double now) {
 void p2p_client_comm_reset(p2p_engine *e, const char *addr, const char *why) {
     p2p_peer *p = peer_find(e, addr, 0); /* nccl: one connection a peer */
     if (!p || !p->comm) return;
+    e->stats.comm_resets++;
     pd_log(PD_LOG_WARN, "kv p2p %s: NCCL communicator with %s torn down: %s", e->addr, addr, why);
     p2p_nccl_comm_destroy(p->comm);
     p->comm = NULL;
@@ -455,14 +456,31 @@ void p2p_client_reply(p2p_engine *e, p2p_peer *p, zmq_msg_t *frames, int n) {
             char why[sizeof(pd_err)];
             snprintf(why, sizeof why, "peer %s rejected the bytes of %s: %.250s", p->addr, op->id,
                      r.error);
+            if (r.drained && op->nop) {
+                /* It took them off the communicator: our send completes,
+                 * and the op fails then, with the pair kept. */
+                op->acked = op->ack_refused = true;
+                op->sent_any = false; /* it dropped the tensor itself: no ABORT */
+                snprintf(op->err.msg, sizeof op->err.msg, "%s", why);
+                break;
+            }
             if (op->nop) p2p_client_comm_reset(e, p->addr, why); /* also fails op */
+            op->sent_any = op->sent_any && !r.drained;
             p2p_op_finish(e, op, false, "%s", why);
         }
         break;
     case P2P_CMD_GET:
         on_get(e, p, &r, frames, n);
         break;
-    default: /* ABORT replies need nothing */
+    case P2P_CMD_ABORT: {
+        /* Our drop of a tensor we had reserved room for (nccl): if its
+         * bytes are not on their way, nothing will come to drain. */
+        p2p_rx *rx = r.sent ? NULL : p2p_rx_lookup(e, r.tensor_id);
+        if (rx && rx->state == RX_RESERVED && rx->dropped && p2p_same_peer(rx->peer, p->addr))
+            p2p_rx_release_dropped(e, rx, pd_now());
+        break;
+    }
+    default:
         break;
     }
 }
@@ -500,7 +518,10 @@ void p2p_client_poll_nccl(p2p_engine *e, double now) {
         op->nop = NULL;
         if (op->kind == OP_PUT) {
             op->local_done = true;
-            if (op->acked) p2p_op_finish(e, op, true, "ok");
+            if (op->acked && op->ack_refused)
+                p2p_op_finish(e, op, false, "%s", op->err.msg);
+            else if (op->acked)
+                p2p_op_finish(e, op, true, "ok");
             continue;
         }
         /* GET received into op->dev_buf. */

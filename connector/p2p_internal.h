@@ -57,6 +57,7 @@ typedef struct p2p_op {
     bool blocking;          /* a p2p_put caller waits for it and frees it */
     bool sent_any;          /* something reached the peer's queue: ABORT on failure */
     bool acked, local_done; /* nccl PUT: receiver ack and our send, both needed */
+    bool ack_refused;       /* nccl PUT: the ack said "dropped, drained": fail once sent */
     bool forgotten;         /* p2p_forget_send came first: free the record when it ends */
     bool dropped;           /* p2p_drop while an ncclRecv was posted: discard when it ends */
     bool reap;              /* unlink and free at the end of this I/O iteration */
@@ -102,7 +103,10 @@ typedef struct p2p_rx {
     void *dev_buf;         /* nccl: reserved device buffer */
     p2p_nccl_op *nop;      /* nccl: ncclRecv in progress */
     double t_start, expires;
-    bool dropped; /* p2p_drop while an ncclRecv was posted: discard when it ends */
+    /* p2p_drop while an ncclRecv was posted, or (nccl) while reserved:
+     * the bytes are still taken off the communicator, then discarded, so
+     * the sender's ncclSend has its partner. */
+    bool dropped;
     pd_err err;
 } p2p_rx;
 
@@ -220,6 +224,10 @@ void p2p_client_close_idle(p2p_engine *e, double now);
 void p2p_peer_close(p2p_engine *e, p2p_peer *peer, const char *why);
 /* Destroys an op's NCCL communicator (aborting every transfer on it) and fails those ops. */
 void p2p_client_comm_reset(p2p_engine *e, const char *addr, const char *why);
+
+/* Ends a dropped reservation no bytes will come for: budget and buffer
+ * back, and a tombstone for anything late. */
+void p2p_rx_release_dropped(p2p_engine *e, p2p_rx *rx, double now);
 
 /* p2p_serve.c: our ROUTER — answering HELLO, NEW, PUT, DATA, GET, ABORT */
 void p2p_serve_request(p2p_engine *e, zmq_msg_t *frames, int nframes);

@@ -270,11 +270,26 @@ static void sweep_ops(p2p_engine *e, double now) {
     }
 }
 
+void p2p_rx_release_dropped(p2p_engine *e, p2p_rx *rx, double now) {
+    p2p_nccl_free(rx->dev_buf, NULL);
+    rx->dev_buf = NULL;
+    e->buffered -= rx->counted;
+    rx->counted = 0;
+    rx->dropped = false;
+    rx->state = RX_DROPPED;
+    rx->expires = now + 2 * e->timeout_s;
+}
+
 static void sweep_rx(p2p_engine *e, double now) {
     for (p2p_rx **pp = &e->rx; *pp;) {
         p2p_rx *rx = *pp;
         if (now < rx->expires ||
             rx->state == RX_RECVING) { /* RECVING: its communicator's deadline rules */
+            pp = &rx->next;
+            continue;
+        }
+        if (rx->state == RX_RESERVED && rx->dropped) { /* its bytes never came: fine */
+            p2p_rx_release_dropped(e, rx, now);
             pp = &rx->next;
             continue;
         }

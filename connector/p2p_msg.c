@@ -139,7 +139,7 @@ int p2p_reply_encode(const p2p_reply *m, p2p_buf *out, pd_err *err) {
     bool full_meta = m->has_meta && m->ret == P2P_RET_OK;
     if (full_meta && check_meta(&m->meta, err) != 0) return -1;
     size_t n = 2 + (m->tensor_id[0] != 0) + (m->error[0] != 0) + (m->fingerprint[0] != 0) +
-               m->new_comm + (m->has_meta ? (full_meta ? 3 : 1) : 0);
+               m->new_comm + m->drained + m->sent + (m->has_meta ? (full_meta ? 3 : 1) : 0);
     enc e;
     enc_begin(&e, n);
     enc_key(&e, "ret");
@@ -149,6 +149,8 @@ int p2p_reply_encode(const p2p_reply *m, p2p_buf *out, pd_err *err) {
     if (m->error[0]) enc_str(&e, "error", m->error);
     if (m->fingerprint[0]) enc_str(&e, "fingerprint", m->fingerprint);
     if (m->new_comm) enc_u64(&e, "new_comm", 1);
+    if (m->drained) enc_u64(&e, "drained", 1);
+    if (m->sent) enc_u64(&e, "sent", 1);
     if (m->has_meta) {
         if (full_meta) {
             enc_shape(&e, &m->meta);
@@ -490,9 +492,13 @@ int p2p_reply_decode(const void *data, size_t len, p2p_reply *m, pd_err *err) {
     if (rc == 0) rc = dec_str(&d, "tensor_id", m->tensor_id, sizeof m->tensor_id, false, err);
     if (rc == 0) rc = dec_str(&d, "error", m->error, sizeof m->error, false, err);
     if (rc == 0) rc = dec_str(&d, "fingerprint", m->fingerprint, sizeof m->fingerprint, false, err);
-    uint64_t new_comm = 0;
+    uint64_t new_comm = 0, drained = 0, sent = 0;
     if (rc == 0) rc = dec_u64(&d, "new_comm", &new_comm, false, err);
+    if (rc == 0) rc = dec_u64(&d, "drained", &drained, false, err);
+    if (rc == 0) rc = dec_u64(&d, "sent", &sent, false, err);
     m->new_comm = new_comm != 0;
+    m->drained = drained != 0;
+    m->sent = sent != 0;
     if (rc == 0 && dec_find(&d, "nbytes")) {
         m->has_meta = true;
         if (dec_find(&d, "shape"))

@@ -80,6 +80,13 @@ typedef struct p2p_reply {
      * communicator with the sender (it tore its side down), so the sender
      * must start a new one (NEW) before it asks again. */
     bool new_comm;
+    /* nccl. DATA ret 2 with "drained": 1: the receiver dropped the tensor
+     * but took its bytes off the communicator (and threw them away), so
+     * the sender's ncclSend completes and the pair stays usable. ABORT ret
+     * 0 with "sent": 1: the aborted tensor's bytes were already on their
+     * way (its receiver keeps the reservation to drain them); without it,
+     * none will come. */
+    bool drained, sent;
 } p2p_reply;
 
 /* An encoded message: malloc'd bytes (free with free()). */

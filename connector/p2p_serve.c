@@ -66,6 +66,7 @@ static void reply(p2p_engine *e, const char *identity, p2p_cmd to, const char *i
 void p2p_serve_comm_reset(p2p_engine *e, const char *identity, const char *why) {
     p2p_inpeer *ip = inpeer_find(e, identity);
     if (!ip || !ip->comm) return;
+    e->stats.comm_resets++;
     pd_log(PD_LOG_WARN, "kv p2p %s: NCCL communicator from %s torn down: %s", e->addr, identity,
            why);
     p2p_nccl_comm_destroy(ip->comm); /* first: NCCL stops touching buffers */
@@ -353,13 +354,18 @@ static void on_abort(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len
         reply(e, who, P2P_CMD_ABORT, NULL, P2P_RET_REFUSED, "malformed ABORT: %s", err.msg);
         return;
     }
-    bool hit = false;
+    bool hit = false, sent = false;
     /* As producer: the consumer gave up — free the offer, stop sending. */
     for (p2p_op *op = e->ops; op; op = op->next) {
         if (op->kind == OP_GET || op->reap || op->state == OPS_DONE || op->state == OPS_FAILED ||
             strcmp(op->id, m.tensor_id))
             continue;
-        if (op->nop) continue; /* NCCL is mid-transfer: let it finish or hit its deadline */
+        /* nccl, bytes on their way (the send posted, or done and waiting
+         * for the ack): the consumer drains them; let the send finish. */
+        if (op->nop || (e->cfg.transport == P2P_NCCL && op->state == OPS_WAIT_ACK)) {
+            sent = true;
+            continue;
+        }
         op->sent_any = false;
         p2p_op_finish(e, op, false, "aborted by peer %s", who);
         hit = true;
@@ -373,8 +379,16 @@ static void on_abort(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len
     }
     if (hit) e->stats.aborts++;
     pd_log(PD_LOG_DEBUG, "kv p2p %s: ABORT %s from %s (%s)", e->addr, m.tensor_id, who,
-           hit ? "freed" : "nothing held");
-    reply(e, who, P2P_CMD_ABORT, m.tensor_id, P2P_RET_OK, NULL);
+           sent  ? "bytes already sent"
+           : hit ? "freed"
+                 : "nothing held");
+    p2p_reply r;
+    memset(&r, 0, sizeof r);
+    r.ret = P2P_RET_OK;
+    r.reply_to = P2P_CMD_ABORT;
+    r.sent = sent;
+    snprintf(r.tensor_id, sizeof r.tensor_id, "%s", m.tensor_id);
+    send_reply(e, who, &r, NULL);
 }
 
 void p2p_serve_request(p2p_engine *e, zmq_msg_t *frames, int n) {
@@ -472,14 +486,15 @@ void p2p_serve_poll_nccl(p2p_engine *e, double now) {
         p2p_nccl_op_free(rx->nop);
         rx->nop = NULL;
         if (rx->dropped) {
-            p2p_nccl_free(rx->dev_buf, NULL);
-            rx->dev_buf = NULL;
-            e->buffered -= rx->counted;
-            rx->counted = 0;
-            rx->state = RX_DROPPED;
-            rx->expires = now + 2 * e->timeout_s;
-            reply(e, who, P2P_CMD_DATA, rx->id, P2P_RET_REFUSED, "consumer %s dropped tensor %s",
-                  e->addr, rx->id);
+            p2p_rx_release_dropped(e, rx, now);
+            p2p_reply r;
+            memset(&r, 0, sizeof r);
+            r.ret = P2P_RET_REFUSED;
+            r.reply_to = P2P_CMD_DATA;
+            r.drained = true; /* the producer's send is complete: keep the communicator */
+            snprintf(r.tensor_id, sizeof r.tensor_id, "%s", rx->id);
+            snprintf(r.error, sizeof r.error, "consumer %s dropped tensor %s", e->addr, rx->id);
+            send_reply(e, who, &r, NULL);
             continue;
         }
         p2p_rx_tensor *t = p2p_rx_tensor_make(e, rx->id, &rx->meta, NULL, rx->dev_buf);

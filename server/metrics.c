@@ -239,6 +239,10 @@ static void kv_metrics(pd_buf *b, const metrics *m, const kv_connector_stats *kv
          "Open connections this instance made to KV peers (tcp_streams per peer at most; idle ones "
          "close).",
          (double)kv->connections},
+        {"pdserve:kv_nccl_comm_resets_total", "counter",
+         "NCCL communicators with KV peers torn down (a failed or broken transfer); each loses "
+         "the transfers in flight on it.",
+         (double)kv->comm_resets},
         {"pdserve:kv_host_pool_pinned_bytes", "gauge",
          "Page-locked host memory held by the connector's tcp buffer pool, idle or in use (at most "
          "mem_pool_size_gb).",

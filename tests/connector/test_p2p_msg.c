@@ -132,6 +132,8 @@ static void test_round_trips(void) {
         if (next_rand() % 2) rand_str(r.error, sizeof r.error);
         if (next_rand() % 2) rand_str(r.fingerprint, sizeof r.fingerprint);
         r.new_comm = next_rand() % 2;
+        r.drained = next_rand() % 2;
+        r.sent = next_rand() % 2;
         if (next_rand() % 2) {
             r.has_meta = true;
             rand_meta(&r.meta);
@@ -146,8 +148,8 @@ static void test_round_trips(void) {
         CHECK(p2p_reply_decode(b.data, b.len, &r2, &err) == 0);
         CHECK(r2.ret == r.ret && r2.reply_to == r.reply_to && !strcmp(r2.tensor_id, r.tensor_id) &&
               !strcmp(r2.error, r.error) && !strcmp(r2.fingerprint, r.fingerprint) &&
-              r2.new_comm == r.new_comm && r2.has_meta == r.has_meta &&
-              (!r.has_meta || meta_eq(&r.meta, &r2.meta)));
+              r2.new_comm == r.new_comm && r2.drained == r.drained && r2.sent == r.sent &&
+              r2.has_meta == r.has_meta && (!r.has_meta || meta_eq(&r.meta, &r2.meta)));
         if (iter == 0) check_truncations(&b, (decode_fn)p2p_reply_decode, &r2);
         free(b.data);
     }

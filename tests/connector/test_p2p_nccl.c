@@ -260,6 +260,7 @@ typedef struct {
     size_t nbytes;
     int mode; /* 0 p2p_put, 1 p2p_put_async, 2 p2p_offer + p2p_fetch */
     int late;
+    bool drop; /* the consumer drops it once it has room reserved for it */
 } planned_tensor;
 
 static int make_plan(planned_tensor *p) {
@@ -278,10 +279,19 @@ static int make_plan(planned_tensor *p) {
         p[n] = (planned_tensor){.nbytes = 8 * MB, .mode = mode, .late = 0x40 + mode};
         snprintf(p[n].id, sizeof p[n].id, "late%d", mode);
     }
+    /* Dropped while its bytes are on their way (a client gone mid-transfer):
+     * the pair's communicator must survive it, so the tensors after it
+     * still arrive. */
+    for (int k = 0; k < 3; k++, n += 2) {
+        p[n] = (planned_tensor){.nbytes = 8 * MB, .mode = 1, .late = 0x50 + k, .drop = true};
+        snprintf(p[n].id, sizeof p[n].id, "dropped%d", k);
+        p[n + 1] = (planned_tensor){.nbytes = 1 * MB, .mode = 1};
+        snprintf(p[n + 1].id, sizeof p[n + 1].id, "after%d", k);
+    }
     return n;
 }
 
-#define PLAN_MAX 48
+#define PLAN_MAX 64
 
 /* One line from fd, waiting at most 120 s in all (a hung peer process
  * must not hang the test). */
@@ -313,6 +323,21 @@ static int consumer_main(int rfd, int wfd) {
     pd_err err;
     for (int i = 0; i < np; i++) {
         const planned_tensor *t = &plan[i];
+        if (t->drop) {
+            /* Room reserved (the PUT is in): drop it, whatever stage its bytes are at. */
+            p2p_stats st;
+            double end = pd_now() + 10;
+            do {
+                usleep(200);
+                p2p_stats_get(D, &st);
+            } while (st.buffered_bytes < t->nbytes && pd_now() < end);
+            if (st.buffered_bytes < t->nbytes) {
+                fprintf(stderr, "consumer: %s never reserved\n", t->id);
+                bad++;
+            }
+            p2p_drop(D, line, t->id);
+            continue;
+        }
         if (t->mode == 2 && p2p_fetch(D, line, t->id, 0, &err) != 0) {
             fprintf(stderr, "consumer: fetch %s: %s\n", t->id, err.msg);
             bad++;
@@ -337,7 +362,18 @@ static int consumer_main(int rfd, int wfd) {
             break;
         }
     }
-    printf("consumer: %d of %d tensors arrived right\n", np - bad, np);
+    p2p_stats st;
+    double end = pd_now() + 5;
+    do { /* the drained reservations go back too */
+        usleep(1000);
+        p2p_stats_get(D, &st);
+    } while (st.buffered_bytes > 0 && pd_now() < end);
+    if (st.comm_resets != 0 || st.buffered_bytes != 0) {
+        fprintf(stderr, "consumer: %llu communicators torn down, %zu bytes still held\n",
+                (unsigned long long)st.comm_resets, st.buffered_bytes);
+        bad++;
+    }
+    printf("consumer: %d of %d tensors arrived right (or were dropped cleanly)\n", np - bad, np);
     n = snprintf(line, sizeof line, "%d\n", bad);
     if (write(wfd, line, (size_t)n) != n) bad++;
     p2p_destroy(D);
@@ -401,11 +437,19 @@ static void one_gpu_pair(const char *self) {
                 failed++;
             }
         }
-        for (int i = 0; i < np; i++)
-            if (plan[i].mode > 0 && status_wait(P, plan[i].id, 30, &err) != 1) {
-                fprintf(stderr, "producer: %s not delivered: %s\n", plan[i].id, err.msg);
+        for (int i = 0; i < np; i++) {
+            if (plan[i].mode == 0) continue;
+            int st = status_wait(P, plan[i].id, 30, &err);
+            if (plan[i].drop ? st == 0 : st != 1) {
+                fprintf(stderr, "producer: %s %s: %s\n", plan[i].id,
+                        plan[i].drop ? "never settled" : "not delivered", err.msg);
                 failed++;
             }
+        }
+        p2p_stats ps;
+        p2p_stats_get(P, &ps);
+        CHECKF(ps.comm_resets == 0, "producer: %llu communicators torn down",
+               (unsigned long long)ps.comm_resets);
         CHECKF(failed == 0, "producer: %d of %d sends failed", failed, np);
         int bad = -1;
         if (read_line(up[0], line, sizeof line)) bad = atoi(line);
