@@ -44,14 +44,20 @@ static void send_reply(p2p_engine *e, const char *identity, const p2p_reply *r, 
 }
 
 /* A reply with just ret (and an error when ret != 0). */
-static void reply(p2p_engine *e, const char *identity, p2p_cmd to, const char *id, int ret,
-                  const char *fmt, ...) __attribute__((format(printf, 6, 7)));
-static void reply(p2p_engine *e, const char *identity, p2p_cmd to, const char *id, int ret,
-                  const char *fmt, ...) {
+/* What a reply may say beyond ret and error (p2p_reply's flags). */
+enum { REPLY_NEW_COMM = 1, REPLY_DRAINED = 2, REPLY_SENT = 4 };
+
+static void reply_flags(p2p_engine *e, const char *identity, p2p_cmd to, const char *id, int ret,
+                        int flags, const char *fmt, ...) __attribute__((format(printf, 7, 8)));
+static void reply_flags(p2p_engine *e, const char *identity, p2p_cmd to, const char *id, int ret,
+                        int flags, const char *fmt, ...) {
     p2p_reply r;
     memset(&r, 0, sizeof r);
     r.ret = ret;
     r.reply_to = to;
+    r.new_comm = flags & REPLY_NEW_COMM;
+    r.drained = flags & REPLY_DRAINED;
+    r.sent = flags & REPLY_SENT;
     snprintf(r.tensor_id, sizeof r.tensor_id, "%s", id ? id : "");
     if (fmt) {
         va_list ap;
@@ -62,6 +68,9 @@ static void reply(p2p_engine *e, const char *identity, p2p_cmd to, const char *i
     if (ret == P2P_RET_OK) r.error[0] = 0;
     send_reply(e, identity, &r, NULL);
 }
+
+/* Most replies say nothing more. */
+#define reply(e, identity, to, id, ret, ...) reply_flags(e, identity, to, id, ret, 0, __VA_ARGS__)
 
 void p2p_serve_comm_reset(p2p_engine *e, const char *identity, const char *why) {
     p2p_inpeer *ip = inpeer_find(e, identity);
@@ -196,14 +205,8 @@ static void on_put(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len) 
         if (!ip->comm) {
             /* We tore our side down (a transfer on it failed) and the
              * sender has not heard: it starts a new one and asks again. */
-            p2p_reply r;
-            memset(&r, 0, sizeof r);
-            r.ret = P2P_RET_RETRY;
-            r.reply_to = P2P_CMD_PUT;
-            r.new_comm = true;
-            snprintf(r.tensor_id, sizeof r.tensor_id, "%s", m.tensor_id);
-            snprintf(r.error, sizeof r.error, "no NCCL communicator with %s: send NEW", who);
-            send_reply(e, who, &r, NULL);
+            reply_flags(e, who, P2P_CMD_PUT, m.tensor_id, P2P_RET_RETRY, REPLY_NEW_COMM,
+                        "no NCCL communicator with %s: send NEW", who);
             return;
         }
         dev = p2p_nccl_alloc(e->dev_mem, n, &err);
@@ -382,13 +385,7 @@ static void on_abort(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len
            sent  ? "bytes already sent"
            : hit ? "freed"
                  : "nothing held");
-    p2p_reply r;
-    memset(&r, 0, sizeof r);
-    r.ret = P2P_RET_OK;
-    r.reply_to = P2P_CMD_ABORT;
-    r.sent = sent;
-    snprintf(r.tensor_id, sizeof r.tensor_id, "%s", m.tensor_id);
-    send_reply(e, who, &r, NULL);
+    reply_flags(e, who, P2P_CMD_ABORT, m.tensor_id, P2P_RET_OK, sent ? REPLY_SENT : 0, NULL);
 }
 
 void p2p_serve_request(p2p_engine *e, zmq_msg_t *frames, int n) {
@@ -487,14 +484,9 @@ void p2p_serve_poll_nccl(p2p_engine *e, double now) {
         rx->nop = NULL;
         if (rx->dropped) {
             p2p_rx_release_dropped(e, rx, now);
-            p2p_reply r;
-            memset(&r, 0, sizeof r);
-            r.ret = P2P_RET_REFUSED;
-            r.reply_to = P2P_CMD_DATA;
-            r.drained = true; /* the producer's send is complete: keep the communicator */
-            snprintf(r.tensor_id, sizeof r.tensor_id, "%s", rx->id);
-            snprintf(r.error, sizeof r.error, "consumer %s dropped tensor %s", e->addr, rx->id);
-            send_reply(e, who, &r, NULL);
+            /* drained: the producer's send is complete, the communicator stays */
+            reply_flags(e, who, P2P_CMD_DATA, rx->id, P2P_RET_REFUSED, REPLY_DRAINED,
+                        "consumer %s dropped tensor %s", e->addr, rx->id);
             continue;
         }
         p2p_rx_tensor *t = p2p_rx_tensor_make(e, rx->id, &rx->meta, NULL, rx->dev_buf);
