@@ -376,8 +376,12 @@ static void on_abort(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len
     /* As consumer: the producer gave up — free the reservation, and let p2p_take say so. */
     p2p_rx *rx = p2p_rx_lookup(e, m.tensor_id);
     if (rx && rx->state == RX_RESERVED && p2p_same_peer(rx->peer, who)) {
-        pd_fail(&err, "producer %s aborted tensor %s", who, m.tensor_id);
-        p2p_rx_fail(e, m.tensor_id, who, &err);
+        if (rx->dropped) { /* we dropped it too: no bytes will come to drain */
+            p2p_rx_release_dropped(e, rx, pd_now());
+        } else {
+            pd_fail(&err, "producer %s aborted tensor %s", who, m.tensor_id);
+            p2p_rx_fail(e, m.tensor_id, who, &err);
+        }
         hit = true;
     }
     if (hit) e->stats.aborts++;
