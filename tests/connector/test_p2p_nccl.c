@@ -21,6 +21,7 @@ int main(void) {
 #include <string.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -390,6 +391,7 @@ static void one_gpu_pair(const char *self) {
     snprintf(fds, sizeof fds, "%d,%d", down[0], up[1]);
     pid_t pid = fork();
     if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a parent killed by a timeout */
         setenv("P2P_NCCL_CONSUMER_FDS", fds, 1);
         setenv("NCCL_HOSTID", "pdserve-test-consumer", 1);
         execl(self, "test_p2p_nccl (consumer)", (char *)NULL);
