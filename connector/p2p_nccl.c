@@ -49,8 +49,13 @@ static int cuda_fail(pd_err *err, const char *what, cudaError_t rc) {
 
 static int nccl_fail(pd_err *err, const char *what, ncclResult_t rc, ncclComm_t comm) {
     const char *last = comm ? ncclGetLastError(comm) : NULL;
-    return pd_fail(err, "%s: %s%s%s", what, ncclGetErrorString(rc), last && last[0] ? ": " : "",
-                   last ? last : "");
+    /* The one mistake every first try on one machine makes gets its fix. */
+    const char *hint = last && strstr(last, "Duplicate GPU")
+                           ? " (NCCL puts one rank on a GPU: give the prefill and decode "
+                             "instances different GPUs with --device, or use transport tcp)"
+                           : "";
+    return pd_fail(err, "%s: %s%s%s%s", what, ncclGetErrorString(rc), last && last[0] ? ": " : "",
+                   last ? last : "", hint);
 }
 
 int p2p_nccl_use_device(int device, pd_err *err) {
