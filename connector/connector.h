@@ -57,6 +57,10 @@ typedef struct kv_transfer_config {
     /* 1 (pdserve extension key): TCP connections per peer on the tcp
      * transport, layers spread over them (docs/kv-transfer.md) */
     int tcp_streams;
+    /* vLLM's key kv_load_failure_policy: "fail" (default, as vLLM) ends a
+     * request whose KV did not come with an error; "recompute" computes its
+     * prompt here instead, as a colocated instance would */
+    bool recompute_on_load_failure;
 } kv_transfer_config;
 
 /* Parse and validate the JSON text of --kv-transfer-config. Wrong types or

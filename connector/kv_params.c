@@ -173,8 +173,20 @@ int kv_transfer_config_parse(const char *json, kv_transfer_config *c, pd_err *er
             }
         } else if (!strcmp(k, "kv_connector_extra_config")) {
             if (parse_extra(v, c, err)) goto out;
-        } else if (!strcmp(k, "kv_rank") || !strcmp(k, "kv_parallel_size") || !strcmp(k, "kv_buffer_device") ||
-                   !strcmp(k, "engine_id") || !strcmp(k, "kv_load_failure_policy") ||
+        } else if (!strcmp(k, "kv_load_failure_policy")) {
+            const char *pol = cJSON_IsString(v) ? v->valuestring : NULL;
+            if (!pol || (strcmp(pol, "fail") != 0 && strcmp(pol, "recompute") != 0)) {
+                char *got = cJSON_PrintUnformatted(v);
+                pd_fail(err,
+                        "--kv-transfer-config: kv_load_failure_policy must be \"fail\" or "
+                        "\"recompute\", got %.60s",
+                        got ? got : "?");
+                cJSON_free(got);
+                goto out;
+            }
+            c->recompute_on_load_failure = !strcmp(pol, "recompute");
+        } else if (!strcmp(k, "kv_rank") || !strcmp(k, "kv_parallel_size") ||
+                   !strcmp(k, "kv_buffer_device") || !strcmp(k, "engine_id") ||
                    !strcmp(k, "kv_connector_module_path")) {
             pd_log(PD_LOG_INFO, "kv-transfer-config: %s is accepted and ignored (one device per instance)", k);
         } else {

@@ -373,11 +373,19 @@ static void engine_admit_inbox(engine *e, engine_seq *list) {
              * 1-token prompt has nothing to load; the load is ended at once,
              * which tells the producer to drop its copy. */
             if (kv_connector_load_begin(e->conn, &list->params.kv, list->n_prompt, list->id, &list->kv_load, &err) != 0) {
-                pd_log(PD_LOG_ERROR, "request %s: %s", list->id, err.msg);
-                engine_seq_mark_failed(list, 502, err.msg);
-                engine_seq_unref(list);
-                list = next;
-                continue;
+                if (kv_connector_config(e->conn)->recompute_on_load_failure) {
+                    pd_log(PD_LOG_WARN,
+                           "request %s: %s; computing its prompt here (kv_load_failure_policy "
+                           "recompute)",
+                           list->id, err.msg);
+                    list->kv_load = NULL;
+                } else {
+                    pd_log(PD_LOG_ERROR, "request %s: %s", list->id, err.msg);
+                    engine_seq_mark_failed(list, 502, err.msg);
+                    engine_seq_unref(list);
+                    list = next;
+                    continue;
+                }
             }
             if (list->n_prompt == 1) {
                 kv_connector_load_end(e->conn, list->kv_load);

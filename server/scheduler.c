@@ -230,6 +230,27 @@ static void reserve_for_remote(scheduler *s) {
     }
 }
 
+/* A request whose KV did not come. With kv_load_failure_policy "recompute"
+ * it goes on as a colocated request would (its whole prompt computed here,
+ * in the waiting queue where it is); with "fail" (vLLM's default) it ends
+ * with the error. */
+static void remote_load_failed(scheduler *s, engine_seq *seq, int status, const char *why) {
+    if (!kv_connector_config(s->conn)->recompute_on_load_failure) {
+        pd_log(PD_LOG_ERROR, "request %s: %s", seq->id, why);
+        seq->error_status = status;
+        scheduler_finish(s, seq, FINISH_ERROR, why);
+        return;
+    }
+    pd_log(PD_LOG_WARN,
+           "request %s: %s; computing its prompt here (kv_load_failure_policy recompute)", seq->id,
+           why);
+    kv_connector_load_end(s->conn, seq->kv_load);
+    seq->kv_load = NULL;
+    seq->kv_ready = false;
+    kv_table_release(s->pool, &seq->blocks); /* layers written so far are not trusted */
+    seq->n_computed = 0;
+}
+
 int scheduler_poll_remote(scheduler *s) {
     int pending = 0;
     reserve_for_remote(s);
@@ -243,9 +264,7 @@ int scheduler_poll_remote(scheduler *s) {
         if (r > 0) {
             seq->kv_ready = true;
         } else if (r < 0) {
-            pd_log(PD_LOG_ERROR, "request %s: %s", seq->id, err.msg);
-            seq->error_status = status;
-            scheduler_finish(s, seq, FINISH_ERROR, err.msg);
+            remote_load_failed(s, seq, status, err.msg);
         } else {
             pending++;
         }
@@ -288,10 +307,8 @@ int scheduler_schedule(scheduler *s, sched_batch *b) {
              * tokens' KV written from what arrived; compute the last one. */
             if (kv_table_reserve(s->pool, &seq->blocks, seq->n_tokens, &err) != 0) break;
             if (kv_connector_load_apply(s->conn, seq->kv_load, seq->blocks.ids, seq->n_tokens - 1, &err) != 0) {
-                pd_log(PD_LOG_ERROR, "request %s: %s", seq->id, err.msg);
-                seq->error_status = 500;
-                scheduler_finish(s, seq, FINISH_ERROR, err.msg);
-                continue;
+                remote_load_failed(s, seq, 500, err.msg);
+                continue; /* finished, or at w again as a plain prompt */
             }
             kv_connector_load_end(s->conn, seq->kv_load);
             seq->kv_load = NULL;

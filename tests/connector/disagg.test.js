@@ -148,6 +148,45 @@ test('prefill gone: decode fails that request by its deadline with a JSON error 
   await stillServes(E.URL_d_GET);
 });
 
+test(
+    'kv_load_failure_policy recompute: KV that never comes is computed here, the output as colocated',
+    async () => {
+        const i = PROMPTS.findIndex((p) => p.length >= 40);
+        const m0 = await metrics(E.URL_d_recompute);
+        const t0 = Date.now();
+        const r = await post(E.URL_d_recompute, {
+            prompt : PROMPTS[i],
+            max_tokens : MAX_TOKENS,
+            temperature : 0,
+            ignore_eos : true,
+            kv_transfer_params : {
+                do_remote_prefill : true,
+                remote_kv_addr : '127.0.0.1:9',
+                remote_request_id : 'xfer-never-sent-3',
+                num_tokens : PROMPTS[i].length,
+            },
+        });
+        const dt = Date.now() - t0;
+        assert.equal(r.status, 200, r.text);
+        assert.equal(r.json.choices[0].text, REF[i],
+                     'computed here, as the colocated instance does');
+        assert.ok(dt >= 1500, `gave up on the KV after ${dt} ms with a 2 s deadline`);
+        const m1 = await metrics(E.URL_d_recompute);
+        const d = (name, label) => m1.sum(name, label) - m0.sum(name, label);
+        assert.equal(d('pdserve:prompt_tokens_computed_total'), PROMPTS[i].length,
+                     'the whole prompt computed here');
+        assert.equal(d('pdserve:kv_loads_total', 'result="failed"'), 1,
+                     'the failed load is counted');
+        // KV that does come is still used: one prompt token computed.
+        const j = i + 1;
+        const n0 = (await metrics(E.URL_d_recompute)).sum('pdserve:prompt_tokens_computed_total');
+        assert.equal(
+            await disagg(E.URL_p_fault, E.URL_d_recompute, E.KV_d_recompute, PROMPTS[j], false),
+            REF[j]);
+        const n1 = (await metrics(E.URL_d_recompute)).sum('pdserve:prompt_tokens_computed_total');
+        assert.equal(n1 - n0, 1, 'with its KV, only the last prompt token computed');
+    });
+
 test('prefill killed after answering, its KV not yet pulled: decode fails by the deadline, keeps serving', async () => {
   const prompt = LONG[2];
   const pre = await post(E.URL_pg_kill, { prompt, max_tokens: 1, temperature: 0, kv_transfer_params: { remote_kv_addr: E.KV_dg_fault } });

@@ -54,6 +54,11 @@ start pa_fault --kv-transfer-config "$(kvcfg kv_producer "$(freeport)" PUT_ASYNC
 start d_fault --kv-transfer-config "$(kvcfg kv_consumer "$fd" PUT)"
 start d_small --kv-transfer-config "$(printf '{"kv_connector":"P2pNcclConnector","kv_role":"kv_consumer","kv_ip":"127.0.0.1","kv_port":%s,"kv_buffer_size":1000,"kv_connector_extra_config":{"send_type":"PUT","timeout_s":2}}' "$fs")"
 start d_kill --kv-transfer-config "$(kvcfg kv_consumer "$fk" PUT_ASYNC)"
+# A consumer that computes the prompt itself when its KV does not come
+# (vLLM's kv_load_failure_policy "recompute").
+fr=$(freeport)
+start d_recompute --kv-transfer-config "$(printf '{"kv_connector":"P2pNcclConnector","kv_role":"kv_consumer","kv_ip":"127.0.0.1","kv_port":%s,"kv_load_failure_policy":"recompute","kv_connector_extra_config":{"send_type":"PUT","timeout_s":2}}' "$fr")"
+export KV_d_recompute=127.0.0.1:$fr
 # A GET-mode pair whose prefill we kill after it answered, with its KV still held for the pull.
 gp=$(freeport); gd=$(freeport)
 start pg_kill --kv-transfer-config "$(kvcfg kv_producer "$gp" GET)"

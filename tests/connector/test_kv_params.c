@@ -21,7 +21,18 @@ static void config_ok(void) {
     CHECK(kv_transfer_config_parse("{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\"}", &c, &err) == 0);
     CHECK(c.role == KV_ROLE_CONSUMER && c.kv_port == 14579 && c.kv_buffer_size == 1e9 && c.send_type == KV_SEND_PUT_ASYNC);
     CHECK(c.transport == KV_TRANSPORT_TCP && c.timeout_s == 30 && c.proxy_ip[0] == 0 &&
-          !c.recv_into_pinned);
+          !c.recv_into_pinned && !c.recompute_on_load_failure);
+    /* vLLM's kv_load_failure_policy, a top-level key. */
+    CHECK(kv_transfer_config_parse(
+              "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","
+              "\"kv_load_failure_policy\":\"recompute\"}",
+              &c, &err) == 0 &&
+          c.recompute_on_load_failure);
+    CHECK(kv_transfer_config_parse(
+              "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","
+              "\"kv_load_failure_policy\":\"fail\"}",
+              &c, &err) == 0 &&
+          !c.recompute_on_load_failure);
     CHECK(kv_transfer_config_parse(
               "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","
               "\"kv_connector_extra_config\":{\"recv_into_pinned\":true}}",
@@ -97,6 +108,12 @@ static void config_bad(void) {
         {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
          "config\":{\"tcp_streams\":17}}",
          "tcp_streams"},
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_load_failure_"
+         "policy\":\"retry\"}",
+         "kv_load_failure_policy must be \"fail\" or \"recompute\", got \"retry\""},
+        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_load_failure_"
+         "policy\":1}",
+         "kv_load_failure_policy"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         kv_transfer_config c;
