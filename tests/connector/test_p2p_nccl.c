@@ -253,9 +253,10 @@ static void single_gpu(void) {
 /* ---- one GPU, two processes ---- */
 
 /* What the producer sends and the consumer checks, in this order: each way
- * of sending at four sizes, 24 layers in flight at once, and two buffers
- * whose bytes are written by work queued after the call (late != 0: every
- * byte must be late). */
+ * of sending at four sizes, 24 layers in flight at once, two buffers whose
+ * bytes are written by work queued after the call (late != 0: every byte
+ * must be late), and three the consumer drops mid-transfer, each followed
+ * by one that must still arrive. */
 typedef struct {
     char id[32];
     size_t nbytes;
