@@ -642,7 +642,11 @@ void p2p_drop(p2p_engine *e, const char *peer, const char *id) {
     for (p2p_op *op = e->ops; op; op = op->next) {
         if (op->kind != OP_GET || op->reap || strcmp(op->id, id) != 0) continue;
         cancelled = true;
-        if (op->state == OPS_RECVING) {
+        if (op->state == OPS_RECVING ||
+            (e->cfg.transport == P2P_NCCL && op->state == OPS_WAIT_GET)) {
+            /* nccl: a GET answered "here it is" comes with an ncclSend; the
+             * reply is still taken, and the bytes received and discarded,
+             * so the pair's communicator stays usable. */
             op->dropped = true;
         } else {
             e->buffered -= op->reserved;

@@ -374,8 +374,13 @@ static void on_get(p2p_engine *e, p2p_peer *p, const p2p_reply *r, zmq_msg_t *fr
             p2p_client_comm_reset(e, p->addr, "a late GET reply's ncclSend has no receiver");
         return;
     }
+    if (op->dropped && r->ret != P2P_RET_OK) { /* dropped, and no bytes come: done */
+        op->sent_any = false;
+        p2p_op_finish(e, op, false, "dropped");
+        return;
+    }
     if (r->ret == P2P_RET_OK) {
-        on_get_ok(e, p, op, r, frames, n);
+        on_get_ok(e, p, op, r, frames, n); /* dropped: received, then discarded */
     } else if (r->ret == P2P_RET_RETRY &&
                r->has_meta) { /* no room for its size: reserve exactly that, retry */
         e->buffered -= op->reserved;

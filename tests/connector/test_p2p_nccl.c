@@ -255,8 +255,8 @@ static void single_gpu(void) {
 /* What the producer sends and the consumer checks, in this order: each way
  * of sending at four sizes, 24 layers in flight at once, two buffers whose
  * bytes are written by work queued after the call (late != 0: every byte
- * must be late), and three the consumer drops mid-transfer, each followed
- * by one that must still arrive. */
+ * must be late), and five the consumer drops mid-transfer (three pushed,
+ * two pulled), each followed by one that must still arrive. */
 typedef struct {
     char id[32];
     size_t nbytes;
@@ -284,8 +284,9 @@ static int make_plan(planned_tensor *p) {
     /* Dropped while its bytes are on their way (a client gone mid-transfer):
      * the pair's communicator must survive it, so the tensors after it
      * still arrive. */
-    for (int k = 0; k < 3; k++, n += 2) {
-        p[n] = (planned_tensor){.nbytes = 8 * MB, .mode = 1, .late = 0x50 + k, .drop = true};
+    for (int k = 0; k < 5; k++, n += 2) { /* three pushed (PUT_ASYNC), two pulled (GET) */
+        p[n] = (planned_tensor){
+            .nbytes = 8 * MB, .mode = k < 3 ? 1 : 2, .late = 0x50 + k, .drop = true};
         snprintf(p[n].id, sizeof p[n].id, "dropped%d", k);
         p[n + 1] = (planned_tensor){.nbytes = 1 * MB, .mode = 1};
         snprintf(p[n + 1].id, sizeof p[n + 1].id, "after%d", k);
@@ -326,7 +327,9 @@ static int consumer_main(int rfd, int wfd) {
     for (int i = 0; i < np; i++) {
         const planned_tensor *t = &plan[i];
         if (t->drop) {
-            /* Room reserved (the PUT is in): drop it, whatever stage its bytes are at. */
+            /* Room reserved (the PUT is in, or our GET went out): drop it,
+             * whatever stage its bytes are at. */
+            if (t->mode == 2 && p2p_fetch(D, line, t->id, 0, &err) != 0) bad++;
             p2p_stats st;
             double end = pd_now() + 10;
             do {
