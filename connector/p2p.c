@@ -620,24 +620,14 @@ void p2p_drop(p2p_engine *e, const char *peer, const char *id) {
         cancelled = true;
     } else if (rx) {
         cancelled = rx->state == RX_RESERVED || rx->state == RX_READY;
-        e->buffered -= rx->counted;
-        rx->counted = 0;
         p2p_rx_tensor_release(rx->tensor);
         rx->tensor = NULL;
-        if (rx->dev_buf) p2p_nccl_free(rx->dev_buf, NULL);
-        rx->dev_buf = NULL;
-    } else {
-        rx = calloc(1, sizeof *rx);
-        if (rx) {
-            snprintf(rx->id, sizeof rx->id, "%s", id);
-            rx->next = e->rx;
-            e->rx = rx;
-        }
-    }
-    if (rx && !rx->dropped) {
-        /* A tombstone: anything arriving for id from now on is discarded. */
-        rx->state = RX_DROPPED;
-        rx->expires = now + 2 * e->timeout_s;
+        p2p_rx_tombstone(e, rx, now); /* anything arriving for id from now on is discarded */
+    } else if ((rx = calloc(1, sizeof *rx))) {
+        snprintf(rx->id, sizeof rx->id, "%s", id);
+        rx->next = e->rx;
+        e->rx = rx;
+        p2p_rx_tombstone(e, rx, now);
     }
     for (p2p_op *op = e->ops; op; op = op->next) {
         if (op->kind != OP_GET || op->reap || strcmp(op->id, id) != 0) continue;

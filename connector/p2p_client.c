@@ -482,7 +482,7 @@ void p2p_client_reply(p2p_engine *e, p2p_peer *p, zmq_msg_t *frames, int n) {
          * bytes are not on their way, nothing will come to drain. */
         p2p_rx *rx = r.sent ? NULL : p2p_rx_lookup(e, r.tensor_id);
         if (rx && rx->state == RX_RESERVED && rx->dropped && p2p_same_peer(rx->peer, p->addr))
-            p2p_rx_release_dropped(e, rx, pd_now());
+            p2p_rx_tombstone(e, rx, pd_now());
         break;
     }
     default:

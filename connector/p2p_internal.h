@@ -225,9 +225,10 @@ void p2p_peer_close(p2p_engine *e, p2p_peer *peer, const char *why);
 /* Destroys an op's NCCL communicator (aborting every transfer on it) and fails those ops. */
 void p2p_client_comm_reset(p2p_engine *e, const char *addr, const char *why);
 
-/* Ends a dropped reservation no bytes will come for: budget and buffer
- * back, and a tombstone for anything late. */
-void p2p_rx_release_dropped(p2p_engine *e, p2p_rx *rx, double now);
+/* Makes rx a tombstone: its budget and device buffer (if any) back, and
+ * anything arriving for its id within 2 x timeout_s discarded. A received
+ * tensor it holds is the caller's to release first. */
+void p2p_rx_tombstone(p2p_engine *e, p2p_rx *rx, double now);
 
 /* p2p_serve.c: our ROUTER — answering HELLO, NEW, PUT, DATA, GET, ABORT */
 void p2p_serve_request(p2p_engine *e, zmq_msg_t *frames, int nframes);

@@ -270,7 +270,7 @@ static void sweep_ops(p2p_engine *e, double now) {
     }
 }
 
-void p2p_rx_release_dropped(p2p_engine *e, p2p_rx *rx, double now) {
+void p2p_rx_tombstone(p2p_engine *e, p2p_rx *rx, double now) {
     p2p_nccl_free(rx->dev_buf, NULL);
     rx->dev_buf = NULL;
     e->buffered -= rx->counted;
@@ -289,7 +289,7 @@ static void sweep_rx(p2p_engine *e, double now) {
             continue;
         }
         if (rx->state == RX_RESERVED && rx->dropped) { /* its bytes never came: fine */
-            p2p_rx_release_dropped(e, rx, now);
+            p2p_rx_tombstone(e, rx, now);
             pp = &rx->next;
             continue;
         }

@@ -43,7 +43,6 @@ static void send_reply(p2p_engine *e, const char *identity, const p2p_reply *r, 
                p2p_cmd_name(r->reply_to), r->tensor_id, err.msg);
 }
 
-/* A reply with just ret (and an error when ret != 0). */
 /* What a reply may say beyond ret and error (p2p_reply's flags). */
 enum { REPLY_NEW_COMM = 1, REPLY_DRAINED = 2, REPLY_SENT = 4 };
 
@@ -69,7 +68,7 @@ static void reply_flags(p2p_engine *e, const char *identity, p2p_cmd to, const c
     send_reply(e, identity, &r, NULL);
 }
 
-/* Most replies say nothing more. */
+/* Most replies say just ret (and an error when ret != 0). */
 #define reply(e, identity, to, id, ret, ...) reply_flags(e, identity, to, id, ret, 0, __VA_ARGS__)
 
 void p2p_serve_comm_reset(p2p_engine *e, const char *identity, const char *why) {
@@ -87,14 +86,11 @@ void p2p_serve_comm_reset(p2p_engine *e, const char *identity, const char *why) 
         if (rx->state != RX_RECVING || strcmp(rx->peer, identity) != 0) continue;
         p2p_nccl_op_free(rx->nop);
         rx->nop = NULL;
-        p2p_nccl_free(rx->dev_buf, NULL);
-        rx->dev_buf = NULL;
         if (rx->dropped) {
-            e->buffered -= rx->counted;
-            rx->counted = 0;
-            rx->state = RX_DROPPED;
-            rx->expires = pd_now() + 2 * e->timeout_s;
+            p2p_rx_tombstone(e, rx, pd_now());
         } else {
+            p2p_nccl_free(rx->dev_buf, NULL);
+            rx->dev_buf = NULL;
             p2p_rx_fail(e, rx->id, rx->peer, &perr);
         }
     }
@@ -377,7 +373,7 @@ static void on_abort(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len
     p2p_rx *rx = p2p_rx_lookup(e, m.tensor_id);
     if (rx && rx->state == RX_RESERVED && p2p_same_peer(rx->peer, who)) {
         if (rx->dropped) { /* we dropped it too: no bytes will come to drain */
-            p2p_rx_release_dropped(e, rx, pd_now());
+            p2p_rx_tombstone(e, rx, pd_now());
         } else {
             pd_fail(&err, "producer %s aborted tensor %s", who, m.tensor_id);
             p2p_rx_fail(e, m.tensor_id, who, &err);
@@ -487,7 +483,7 @@ void p2p_serve_poll_nccl(p2p_engine *e, double now) {
         p2p_nccl_op_free(rx->nop);
         rx->nop = NULL;
         if (rx->dropped) {
-            p2p_rx_release_dropped(e, rx, now);
+            p2p_rx_tombstone(e, rx, now);
             /* drained: the producer's send is complete, the communicator stays */
             reply_flags(e, who, P2P_CMD_DATA, rx->id, P2P_RET_REFUSED, REPLY_DRAINED,
                         "consumer %s dropped tensor %s", e->addr, rx->id);
