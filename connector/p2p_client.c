@@ -101,7 +101,7 @@ static p2p_peer *peer_get(p2p_engine *e, const char *addr, int lane, pd_err *err
     snprintf(h.fingerprint, sizeof h.fingerprint, "%s", e->fingerprint);
     if (zmq_connect(p->dealer, ep) != 0) {
         pd_fail(err, "cannot connect to kv peer %s: %s", addr, zmq_strerror(errno));
-    } else if (send_msg(p, enc_hello, &h, NULL, err) == 0 && comm_ensure(e, p, err) == 0) {
+    } else if (send_msg(p, enc_hello, &h, NULL, err) == 0) {
         p->next = e->peers;
         e->peers = p;
         pd_log(PD_LOG_DEBUG, "kv p2p %s: HELLO → %s (connection %d)", e->addr, addr, lane);
@@ -195,6 +195,12 @@ void p2p_client_start(p2p_engine *e, p2p_op *op) {
         p2p_op_finish(e, op, false, "%s", err.msg);
         return;
     }
+    /* nccl: the communicator the bytes will take is started (NEW) ahead of
+     * the first PUT or GET; a peer used only for ABORTs never needs one. */
+    if (comm_ensure(e, p, &err) != 0) {
+        p2p_op_finish(e, op, false, "%s", err.msg);
+        return;
+    }
     if (op->kind == OP_PUT) {
         p2p_put_msg m;
         snprintf(m.tensor_id, sizeof m.tensor_id, "%s", op->id);
@@ -205,13 +211,9 @@ void p2p_client_start(p2p_engine *e, p2p_op *op) {
         }
         op->sent_any = true;
         op->state = OPS_WAIT_RESERVE;
-        op->put_comm_gen = p->comm_gen;
+        op->asked_comm_gen = p->comm_gen;
         pd_log(PD_LOG_DEBUG, "kv p2p %s: PUT %s → %s (%" PRIu64 " bytes, attempt %d)", e->addr,
                op->id, p->addr, op->meta.nbytes, op->retries + 1);
-        return;
-    }
-    if (comm_ensure(e, p, &err) != 0) { /* nccl: the bytes will come over our communicator */
-        p2p_op_finish(e, op, false, "%s", err.msg);
         return;
     }
     /* GET: hold room for the reply first. Until the producer told us the size, guess the
@@ -233,6 +235,7 @@ void p2p_client_start(p2p_engine *e, p2p_op *op) {
     }
     op->sent_any = true;
     op->state = OPS_WAIT_GET;
+    op->asked_comm_gen = p->comm_gen;
     pd_log(PD_LOG_DEBUG, "kv p2p %s: GET %s → %s (room %zu, attempt %d)", e->addr, op->id, p->addr,
            r, op->retries + 1);
 }
@@ -287,6 +290,19 @@ static void begin_data(p2p_engine *e, p2p_peer *p, p2p_op *op) {
     }
 }
 
+/* The peer answered op's PUT or GET with new_comm: it has no communicator
+ * with us (it tore its side down), so ours is stale. Unless a NEW already
+ * went out after op's ask (the peer has that one by our next), replace
+ * ours, then ask again. -1: no new one could be started; op is finished. */
+static int replace_stale_comm(p2p_engine *e, p2p_peer *p, p2p_op *op) {
+    if (e->cfg.transport != P2P_NCCL || (p->comm && op->asked_comm_gen < p->comm_gen)) return 0;
+    pd_err err;
+    p2p_client_comm_reset(e, p->addr, "the peer has no communicator with us");
+    if (comm_ensure(e, p, &err) == 0) return 0;
+    p2p_op_finish(e, op, false, "%s", err.msg);
+    return -1;
+}
+
 static void on_hello(p2p_engine *e, p2p_peer *p, const p2p_reply *r) {
     if (r->ret == P2P_RET_OK && (!r->fingerprint[0] || !strcmp(r->fingerprint, e->fingerprint))) {
         p->hello_ok = true;
@@ -327,6 +343,14 @@ static void on_get_ok(p2p_engine *e, p2p_peer *p, p2p_op *op, const p2p_reply *r
         /* The producer's side is up, so ours is too (joining is collective); our poll may lag. */
         if (p->comm && !p->comm_ready && p2p_nccl_comm_poll(p->comm, &err) == 1)
             p->comm_ready = true;
+        if (r->meta.nbytes > 0 && op->asked_comm_gen != p->comm_gen) {
+            /* Its ncclSend went over the communicator we had when we asked,
+             * since replaced (the producer drops it on our NEW): nothing
+             * comes on the new one. Fail now rather than at the deadline. */
+            p2p_op_finish(e, op, false, "NCCL communicator with %s replaced while GET %s was out",
+                          p->addr, op->id);
+            return;
+        }
         if (r->meta.nbytes > 0) {
             op->dev_buf = p2p_nccl_alloc(e->dev_mem, r->meta.nbytes, &err);
             if (!op->dev_buf || !p->comm_ready ||
@@ -379,6 +403,7 @@ static void on_get(p2p_engine *e, p2p_peer *p, const p2p_reply *r, zmq_msg_t *fr
         p2p_op_finish(e, op, false, "dropped");
         return;
     }
+    if (r->ret == P2P_RET_RETRY && r->new_comm && replace_stale_comm(e, p, op) != 0) return;
     if (r->ret == P2P_RET_OK) {
         on_get_ok(e, p, op, r, frames, n); /* dropped: received, then discarded */
     } else if (r->ret == P2P_RET_RETRY &&
@@ -434,18 +459,7 @@ void p2p_client_reply(p2p_engine *e, p2p_peer *p, zmq_msg_t *frames, int n) {
             begin_data(e, p, op);
         } else if (r.ret == P2P_RET_RETRY) {
             snprintf(op->err.msg, sizeof op->err.msg, "%s", r.error);
-            /* The receiver lost its side of our communicator. Unless a NEW
-             * already went out after this PUT (it will have one by our
-             * next ask), ours is stale too: replace it, then ask again. */
-            if (r.new_comm && e->cfg.transport == P2P_NCCL &&
-                (!p->comm || op->put_comm_gen >= p->comm_gen)) {
-                pd_err err;
-                p2p_client_comm_reset(e, p->addr, "the peer has no communicator with us");
-                if (comm_ensure(e, p, &err) != 0) {
-                    p2p_op_finish(e, op, false, "%s", err.msg);
-                    break;
-                }
-            }
+            if (r.new_comm && replace_stale_comm(e, p, op) != 0) break;
             backoff(e, op);
         } else {
             p2p_op_finish(e, op, false, "peer %s refused %s: %s", p->addr, op->id, r.error);

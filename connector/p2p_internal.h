@@ -63,7 +63,7 @@ typedef struct p2p_op {
     bool reap;              /* unlink and free at the end of this I/O iteration */
     int retries;
     int lane; /* which of the peer's connections (tcp_streams) carries it */
-    uint64_t put_comm_gen; /* nccl: the peer's comm_gen when our PUT went out */
+    uint64_t asked_comm_gen; /* nccl: the peer's comm_gen when our PUT or GET went out */
     bool lane_chosen;
     char id[P2P_ID_MAX];
     char peer[P2P_ADDR_MAX];

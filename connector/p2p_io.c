@@ -70,6 +70,10 @@ void p2p_rx_fail(p2p_engine *e, const char *id, const char *peer, const pd_err *
     }
     e->buffered -= rx->counted;
     rx->counted = 0;
+    if (!rx->nop) { /* else its communicator's teardown frees it */
+        p2p_nccl_free(rx->dev_buf, NULL);
+        rx->dev_buf = NULL;
+    }
     if (peer && peer != rx->peer) snprintf(rx->peer, sizeof rx->peer, "%s", peer);
     rx->state = RX_FAILED;
     rx->err = *why;

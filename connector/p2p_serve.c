@@ -71,6 +71,29 @@ static void reply_flags(p2p_engine *e, const char *identity, p2p_cmd to, const c
 /* Most replies say just ret (and an error when ret != 0). */
 #define reply(e, identity, to, id, ret, ...) reply_flags(e, identity, to, id, ret, 0, __VA_ARGS__)
 
+/* Gives up on a receive whose bytes can no longer come: NCCL no longer
+ * writes into rx->dev_buf (its communicator is destroyed, or no ncclRecv
+ * was posted). The producer hears at once (DATA refused, not drained: it
+ * tears down its side too), instead of at its deadline; rx fails, or, if
+ * the consumer dropped it, becomes a tombstone. */
+static void rx_abandon(p2p_engine *e, p2p_rx *rx, const char *why) {
+    char who[P2P_ADDR_MAX];
+    snprintf(who, sizeof who, "%s", rx->peer);
+    reply(e, who, P2P_CMD_DATA, rx->id, P2P_RET_REFUSED, "%s", why);
+    p2p_nccl_op_free(rx->nop);
+    rx->nop = NULL;
+    if (rx->dropped) {
+        p2p_rx_tombstone(e, rx, pd_now());
+    } else {
+        pd_err perr;
+        pd_fail(&perr, "%s", why);
+        p2p_rx_fail(e, rx->id, who, &perr); /* frees dev_buf */
+    }
+}
+
+/* Reservations (RX_RESERVED) outlive the communicator: their bytes go over
+ * whichever one is up when their DATA comes, usually the one the
+ * producer's next NEW builds. */
 void p2p_serve_comm_reset(p2p_engine *e, const char *identity, const char *why) {
     p2p_inpeer *ip = inpeer_find(e, identity);
     if (!ip || !ip->comm) return;
@@ -80,20 +103,8 @@ void p2p_serve_comm_reset(p2p_engine *e, const char *identity, const char *why) 
     p2p_nccl_comm_destroy(ip->comm); /* first: NCCL stops touching buffers */
     ip->comm = NULL;
     ip->comm_ready = false;
-    pd_err perr;
-    pd_fail(&perr, "%s", why);
-    for (p2p_rx *rx = e->rx; rx; rx = rx->next) {
-        if (rx->state != RX_RECVING || strcmp(rx->peer, identity) != 0) continue;
-        p2p_nccl_op_free(rx->nop);
-        rx->nop = NULL;
-        if (rx->dropped) {
-            p2p_rx_tombstone(e, rx, pd_now());
-        } else {
-            p2p_nccl_free(rx->dev_buf, NULL);
-            rx->dev_buf = NULL;
-            p2p_rx_fail(e, rx->id, rx->peer, &perr);
-        }
-    }
+    for (p2p_rx *rx = e->rx; rx; rx = rx->next)
+        if (rx->state == RX_RECVING && !strcmp(rx->peer, identity)) rx_abandon(e, rx, why);
     for (p2p_op *op = e->ops; op; op = op->next)
         if (op->kind == OP_OFFER && op->state == OPS_OFFER_SENDING &&
             !strcmp(op->in_peer, identity))
@@ -271,10 +282,13 @@ static void on_data(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len,
         if (m.nbytes == 0) return; /* p2p_serve_poll_nccl completes it */
         if (!comm_ready(e, ip) ||
             p2p_nccl_recv(ip->comm, rx->dev_buf, m.nbytes, &rx->nop, &err) != 0) {
-            if (!ip->comm_ready)
+            if (!ip->comm)
+                pd_fail(&err, "no NCCL communicator from %s for DATA %s (torn down here)", who,
+                        m.tensor_id);
+            else if (!ip->comm_ready)
                 pd_fail(&err, "NCCL communicator from %s not ready for DATA %s", who, m.tensor_id);
-            reply(e, who, P2P_CMD_DATA, m.tensor_id, P2P_RET_REFUSED, "%s", err.msg);
-            p2p_serve_comm_reset(e, who, err.msg); /* fails rx */
+            p2p_serve_comm_reset(e, who, err.msg); /* abandons rx, with the others on it */
+            if (rx->state == RX_RECVING) rx_abandon(e, rx, err.msg); /* there was none */
         }
         return;
     }
@@ -321,10 +335,12 @@ static void on_get(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len) 
     r.meta = op->meta;
     bool nccl = e->cfg.transport == P2P_NCCL && op->meta.nbytes > 0;
     if (op->meta.nbytes > m.max_nbytes || (nccl && !comm_ready(e, ip))) {
-        /* The asker reserves exactly nbytes and asks again (also while our communicator is not up).
-         */
+        /* The asker reserves exactly nbytes and asks again (also while our
+         * communicator is not up). With none at all (we tore ours down),
+         * its side is stale too: new_comm asks it for a NEW. */
         r.ret = P2P_RET_RETRY;
-        snprintf(r.error, sizeof r.error, "no room");
+        r.new_comm = nccl && !ip->comm;
+        snprintf(r.error, sizeof r.error, "%s", r.new_comm ? "no NCCL communicator" : "no room");
         send_reply(e, who, &r, NULL);
         return;
     }
@@ -476,8 +492,7 @@ void p2p_serve_poll_nccl(p2p_engine *e, double now) {
         char who[P2P_ADDR_MAX];
         snprintf(who, sizeof who, "%s", rx->peer);
         if (rc < 0) {
-            reply(e, who, P2P_CMD_DATA, rx->id, P2P_RET_REFUSED, "%s", err.msg);
-            p2p_serve_comm_reset(e, who, err.msg);
+            p2p_serve_comm_reset(e, who, err.msg); /* abandons rx, with the others on it */
             continue;
         }
         p2p_nccl_op_free(rx->nop);
@@ -492,7 +507,7 @@ void p2p_serve_poll_nccl(p2p_engine *e, double now) {
         p2p_rx_tensor *t = p2p_rx_tensor_make(e, rx->id, &rx->meta, NULL, rx->dev_buf);
         if (!t) {
             pd_fail(&err, "out of memory receiving %s", rx->id);
-            p2p_rx_fail(e, rx->id, who, &err);
+            p2p_rx_fail(e, rx->id, who, &err); /* frees dev_buf */
             reply(e, who, P2P_CMD_DATA, rx->id, P2P_RET_REFUSED, "%s", err.msg);
             continue;
         }
