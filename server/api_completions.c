@@ -321,7 +321,8 @@ static int parse_sampling(const cJSON *root, completion_request *r, api_error *e
                         s->repetition_penalty);
     cJSON *seed = field(root, "seed");
     if (seed) {
-        if (!is_int_value(seed, -9223372036854775808.0, 9223372036854775807.0))
+        /* 2^63 itself is a double, but no int64: the bound is the last double below it. */
+        if (!is_int_value(seed, -9223372036854775808.0, 9223372036854774784.0))
             return api_fail(e, 400, "seed", "seed: Input should be a valid 64-bit integer");
         s->has_seed = true;
         s->seed = (uint64_t)(int64_t)seed->valuedouble;
@@ -357,8 +358,11 @@ static int parse_stream(const cJSON *root, completion_request *r, api_error *e) 
                         "Stream options can only be defined when `stream=True`.");
     r->include_usage = true; /* vLLM's default inside a given stream_options */
     if (get_bool(so, "include_usage", &r->include_usage, e) != 0 ||
-        get_bool(so, "continuous_usage_stats", &r->continuous_usage, e) != 0)
-        return api_fail(e, 400, "stream_options", "stream_options: %s", e->message);
+        get_bool(so, "continuous_usage_stats", &r->continuous_usage, e) != 0) {
+        char inner[sizeof e->message]; /* api_fail writes e->message */
+        snprintf(inner, sizeof inner, "%s", e->message);
+        return api_fail(e, 400, "stream_options", "stream_options: %s", inner);
+    }
     return 0;
 }
 

@@ -629,11 +629,12 @@ static void *engine_loop(void *arg) {
             queued = ahead;
         }
         engine_publish_stats(e);
-        if (!queued && batch.n == 0 && remote_pending > 0) {
-            /* Only requests waiting for remote KV: look again when the
-             * connector says more arrived, a new request comes, or in 10 ms
-             * at the latest (for the transfer deadline). An arrival since
-             * the poll above means no wait at all. */
+        if (!queued && batch.n == 0 && (remote_pending > 0 || scheduler_has_work(e->sched))) {
+            /* Nothing could run: only requests waiting for remote KV, or for
+             * blocks such requests hold. Look again when the connector says
+             * more arrived, a new request comes, or in 10 ms at the latest
+             * (for the transfer deadline), rather than spin. An arrival
+             * since the poll above means no wait at all. */
             pthread_mutex_lock(&e->mu);
             if (!e->inbox_head && !e->stopping && e->kv_arrivals == arrivals_seen) {
                 struct timespec ts;

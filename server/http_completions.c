@@ -183,7 +183,9 @@ static void choice_feed(comp_run *r, choice *c, const engine_token *t, const int
     size_t prev = c->text.len, n = 0;
     const char *piece = detok_stream_step(c->ds, t->id, &n);
     if (n) pd_buf_append(&c->text, piece, n);
-    if (r->req.n_stop == 0 || c->text.len == prev) return;
+    /* Like EOS and stop ids (the engine's min_tokens), stop strings count
+     * only after min_tokens outputs (vLLM's detokenizer does the same). */
+    if (r->req.n_stop == 0 || c->text.len == prev || c->n_read <= r->req.min_tokens) return;
     size_t at = 0;
     int hit = stop_find(c->text.data, c->text.len, prev, r->req.stop, r->req.n_stop, &at);
     if (hit < 0) return;

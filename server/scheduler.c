@@ -293,10 +293,20 @@ int scheduler_schedule(scheduler *s, sched_batch *b) {
         }
     }
     /* 3: admit waiting sequences in arrival order. One still waiting for a
-     * remote prefill's KV is passed over without holding up the others. */
+     * remote prefill's KV is passed over without holding up the others.
+     * Once one cannot get its blocks, no later one takes new blocks before
+     * it (first come, first served), but a remote one whose KV is all in
+     * blocks it already holds still starts: nothing else would free them,
+     * and the one ahead may be waiting for exactly those. */
+    bool blocked = false;
     for (int w = 0; w < s->waiting.n && budget > 0 && s->running.n < s->cfg.max_num_seqs;) {
         engine_seq *seq = s->waiting.v[w];
         if (seq->kv_load && !seq->kv_ready) {
+            w++;
+            continue;
+        }
+        if (blocked &&
+            !(seq->kv_load && kv_table_blocks_needed(s->pool, &seq->blocks, seq->n_tokens) == 0)) {
             w++;
             continue;
         }
@@ -305,7 +315,11 @@ int scheduler_schedule(scheduler *s, sched_batch *b) {
         if (seq->kv_load) {
             /* Remote prefill: blocks for the whole prompt, its first n-1
              * tokens' KV written from what arrived; compute the last one. */
-            if (kv_table_reserve(s->pool, &seq->blocks, seq->n_tokens, &err) != 0) break;
+            if (kv_table_reserve(s->pool, &seq->blocks, seq->n_tokens, &err) != 0) {
+                blocked = true;
+                w++;
+                continue;
+            }
             if (kv_connector_load_apply(s->conn, seq->kv_load, seq->blocks.ids, seq->n_tokens - 1, &err) != 0) {
                 remote_load_failed(s, seq, 500, err.msg);
                 continue; /* finished, or at w again as a plain prompt */
@@ -328,10 +342,19 @@ int scheduler_schedule(scheduler *s, sched_batch *b) {
             }
             int pending = seq->n_tokens - seq->n_computed;
             n_new = pending < budget ? pending : budget;
-            if (kv_table_reserve(s->pool, &seq->blocks, seq->n_computed + n_new, &err) != 0) {
+            bool got;
+            /* Blocks held for remote KV not written yet go to a request
+             * that can run now (as they do to a running one). */
+            while (!(got = kv_table_reserve(s->pool, &seq->blocks, seq->n_computed + n_new, &err) ==
+                           0) &&
+                   return_reservation(s)) {
+            }
+            if (!got) {
                 kv_table_release(s->pool, &seq->blocks); /* give back the matched prefix too */
                 seq->n_computed = 0;
-                break; /* wait for running sequences to finish */
+                blocked = true; /* waits for running sequences to finish */
+                w++;
+                continue;
             }
             if (s->cfg.enable_prefix_caching) {
                 s->stats->prefix_queries += (uint64_t)seq->n_tokens;

@@ -119,6 +119,12 @@ test('stop strings: truncation, include_stop_str_in_output, list order', async (
   const s = await stream(A, { model: env.model, prompt: 'Once upon a time', max_tokens: 24, stop, ...greedy });
   assert.equal(s.events.map((e) => e.choices[0].text).join(''), text.slice(0, at));
   assert.equal(s.events.at(-1).choices[0].stop_reason, stop);
+  // min_tokens holds stop strings back too (as vLLM): all 24 tokens, the full text
+  const held = await complete(
+      {prompt : 'Once upon a time', max_tokens : 24, min_tokens : 24, stop, ...greedy});
+  assert.equal(held.json.choices[0].finish_reason, 'length');
+  assert.equal(held.json.usage.completion_tokens, 24);
+  assert.equal(held.json.choices[0].text, text);
 });
 
 test('stop_token_ids: finish stop with the id as stop_reason', async () => {

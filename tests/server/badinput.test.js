@@ -88,6 +88,8 @@ const corpus = [
   ['min_tokens negative', json({ prompt: 'x', min_tokens: -1 })],
   ['seed string', json({ prompt: 'x', seed: 'abc' })],
   ['seed too big', json({ prompt: 'x', seed: 1e40 })],
+  ['seed 2^63', '{"prompt": "x", "seed": 9223372036854775808}'],
+  ['stream_options include_usage number', json({ prompt: 'x', stream: true, stream_options: { include_usage: 3 } })],
   ['model number', json({ prompt: 'x', model: 3 })],
   ['unknown model', json({ prompt: 'x', model: 'gpt-5' }), 404],
   ['kv_transfer_params string', json({ prompt: 'x', kv_transfer_params: 'x' })],
@@ -106,6 +108,12 @@ test(`bad-input corpus (${corpus.length} requests) gets 4xx JSON errors`, async 
     assert.ok(isErrorShape(r.json, want), `${what}: error JSON ${r.text.slice(0, 200)}`);
   }
   assert.equal((await get(A, '/health')).status, 200);
+});
+
+test('an error inside stream_options names the field once, readably', async () => {
+  const r = await post(A, '/v1/completions', json({ prompt: 'x', stream: true, stream_options: { include_usage: 3 } }), { raw: true });
+  assert.equal(r.status, 400);
+  assert.match(r.json.error.message, /^stream_options: include_usage: Input should be a valid boolean/);
 });
 
 test('broken HTTP on raw sockets does not hurt the server', async () => {

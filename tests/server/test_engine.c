@@ -6,6 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "connector/connector.h"
 #include "model/make_model.h"
 #include "server/engine.h"
 #include "tests/common/testlib.h"
@@ -177,6 +178,111 @@ static void reservation_returned(void) {
     engine_destroy(e);
 }
 
+/* A decode instance (kv_consumer, 20 blocks of 16 tokens) where a plain
+ * request cannot get its blocks at first: Q, whose KV never comes, holds 6
+ * blocks; P needs 15 of the 14 left. R, behind P, has all its KV here
+ * already. Nothing may wait for Q's transfer deadline: P takes Q's blocks
+ * (nothing was written into them) and R starts too, both long before Q
+ * ends with its 504. (Before, P waited at the head of the queue for Q's
+ * deadline, R behind it, and the engine thread spun meanwhile; had R's
+ * blocks been the ones P needed, both waited for good.) */
+static void ready_remote_not_held_up(void) {
+    kv_transfer_config kvc[2];
+    pd_err err = {{0}};
+    engine *eng[2] = {NULL, NULL}; /* 0: the decode instance, 1: the prefill one */
+    engine_seq *pre = NULL, *q = NULL, *plain = NULL, *r = NULL;
+    const char *roles[2] = {"kv_consumer", "kv_producer"};
+    for (int i = 0; i < 2; i++) {
+        char js[320];
+        snprintf(js, sizeof js,
+                 "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"%s\","
+                 "\"kv_ip\":\"127.0.0.1\",\"kv_connector_extra_config\":"
+                 "{\"send_type\":\"PUT_ASYNC\",\"timeout_s\":6}}",
+                 roles[i]);
+        CHECKF(kv_transfer_config_parse(js, &kvc[i], &err) == 0, "%s", err.msg);
+        kvc[i].kv_port = 0;
+        engine_config c;
+        engine_config_default(&c);
+        c.model_dir = model_dir;
+        c.num_blocks_override = i == 0 ? 20 : 0;
+        c.max_model_len = 256;
+        c.kv_transfer = &kvc[i];
+        CHECKF(engine_create(&c, &eng[i], &err) == 0, "%s", err.msg);
+        if (!eng[i]) goto out;
+    }
+    int32_t prompt[240];
+    for (int i = 0; i < 240; i++)
+        prompt[i] = i ? 1000 + i : 2;
+    engine_request_params p;
+    /* R's prefill: its KV goes to the decode instance now. */
+    engine_request_params_default(&p);
+    p.max_tokens = 1;
+    p.kv.present = p.kv.do_remote_decode = true;
+    snprintf(p.kv.remote_kv_addr, sizeof p.kv.remote_kv_addr, "%s",
+             kv_connector_address(engine_connector(eng[0])));
+    CHECKF(engine_submit(eng[1], prompt + 100, 96, &p, "pre", &pre, &err) == ENGINE_OK, "%s",
+           err.msg);
+    if (!pre) goto out;
+    while (engine_seq_finish(pre) == FINISH_NONE)
+        engine_seq_wait(pre, 1 << 30, 1000);
+    char kvjs[512];
+    kv_request_params rkv;
+    CHECK(engine_seq_kv_transfer_params(pre, kvjs, sizeof kvjs));
+    CHECKF(kv_request_params_parse(kvjs, &rkv, &err) == 0, "%s", err.msg);
+
+    engine_request_params_default(&p);
+    p.max_tokens = 4;
+    p.ignore_eos = true;
+    p.kv.present = p.kv.do_remote_prefill = true;
+    snprintf(p.kv.remote_kv_addr, sizeof p.kv.remote_kv_addr, "127.0.0.1:9");
+    snprintf(p.kv.remote_request_id, sizeof p.kv.remote_request_id, "never-sent");
+    CHECKF(engine_submit(eng[0], prompt, 96, &p, "Q", &q, &err) == ENGINE_OK, "%s", err.msg);
+    engine_stats st;
+    for (int i = 0; i < 200; i++) { /* the engine reserves Q's blocks on its next poll */
+        engine_stats_get(eng[0], &st);
+        if (st.free_blocks == 14) break;
+        usleep(10000);
+    }
+    CHECKF(st.free_blocks == 14, "blocks held for Q: %d of 20 free, expected 14", st.free_blocks);
+    engine_request_params_default(&p);
+    p.max_tokens = 4;
+    p.ignore_eos = true;
+    CHECKF(engine_submit(eng[0], prompt, 240, &p, "P", &plain, &err) == ENGINE_OK, "%s", err.msg);
+    p.kv = rkv;
+    CHECKF(engine_submit(eng[0], prompt + 100, 96, &p, "R", &r, &err) == ENGINE_OK, "%s", err.msg);
+    if (!q || !plain || !r) goto out;
+    const double t0 = pd_now();
+    while ((engine_seq_finish(plain) == FINISH_NONE || engine_seq_finish(r) == FINISH_NONE) &&
+           pd_now() - t0 < 20) {
+        engine_seq_wait(plain, 1 << 30, 100);
+        engine_seq_wait(r, 1 << 30, 100);
+    }
+    CHECKF(engine_seq_finish(plain) == FINISH_LENGTH && engine_seq_finish(r) == FINISH_LENGTH,
+           "P: %s, R: %s after %.1f s", finish_reason_name(engine_seq_finish(plain)),
+           finish_reason_name(engine_seq_finish(r)), pd_now() - t0);
+    CHECKF(engine_seq_finish(q) == FINISH_NONE,
+           "P and R should finish before Q's transfer deadline, Q: %s",
+           finish_reason_name(engine_seq_finish(q)));
+    engine_stats_get(eng[0], &st);
+    CHECKF(st.reservations_returned >= 1, "%llu reservations given back (Q's to P expected)",
+           (unsigned long long)st.reservations_returned);
+    while (engine_seq_finish(q) == FINISH_NONE)
+        engine_seq_wait(q, 1 << 30, 1000);
+    CHECKF(engine_seq_finish(q) == FINISH_ERROR && engine_seq_error_status(q) == 504,
+           "Q: %s, status %d", finish_reason_name(engine_seq_finish(q)),
+           engine_seq_error_status(q));
+    wait_idle(eng[0], &st);
+    CHECKF(st.free_blocks == st.total_blocks, "blocks leaked: %d of %d free", st.free_blocks,
+           st.total_blocks);
+out:
+    if (pre) engine_seq_release(pre);
+    if (q) engine_seq_release(q);
+    if (plain) engine_seq_release(plain);
+    if (r) engine_seq_release(r);
+    for (int i = 0; i < 2; i++)
+        if (eng[i]) engine_destroy(eng[i]);
+}
+
 int main(void) {
     snprintf(model_dir, sizeof model_dir, "%s/tiny", test_tmpdir());
     pd_err err = {{0}};
@@ -345,5 +451,6 @@ int main(void) {
            st.free_blocks, st.total_blocks);
     engine_destroy(e);
     reservation_returned();
+    ready_remote_not_held_up();
     return test_finish();
 }
