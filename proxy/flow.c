@@ -196,8 +196,15 @@ static pf_result prefill(px_req *r, const cJSON *root, char **params, front_repl
             relay(r, out, st, ctype, ans, alen);
             goto done;
         } else if (ur == UP_OK) {
-            snprintf(last_msg, sizeof last_msg, "prefill instance %s answered HTTP %ld", p.http,
-                     st);
+            /* Keep P's own words: its 502 may be about the decode side
+             * (the KV push to D failed), which only the message says. */
+            char said[300];
+            if (rewrite_error_message(ans, alen, said, sizeof said) == 0)
+                snprintf(last_msg, sizeof last_msg, "prefill instance %s answered HTTP %ld: %s",
+                         p.http, st, said);
+            else
+                snprintf(last_msg, sizeof last_msg, "prefill instance %s answered HTTP %ld", p.http,
+                         st);
             last_status = st == 503 ? 503 : 502;
         } else {
             snprintf(last_msg, sizeof last_msg, "prefill instance %s failed: %s (%s)", p.http,
@@ -339,7 +346,9 @@ static void decode(px_req *r, const char *body, size_t len, const cJSON *root, c
         snprintf(who, sizeof who, "decode instance %s", r->d.http);
         size_t elen = 0;
         char *e = rewrite_upstream_error(ans, alen, (int)st, who, &elen);
-        r->d_failed = st == 500 || st == 502;
+        /* 503: D is draining (shutting down) or overloaded; the backoff
+         * sends the next requests elsewhere until it is gone from discovery. */
+        r->d_failed = st == 500 || st == 502 || st == 503;
         relay(r, out, st, "application/json", e, elen);
     } else {
         relay(r, out, st, ct, ans, alen);
@@ -385,15 +394,26 @@ static px_req *req_new(front_ctx *fx, struct MHD_Connection *conn, const char *u
     return r;
 }
 
+static bool only_space(const char *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != ' ' && p[i] != '\t' && p[i] != '\n' && p[i] != '\r') return false;
+    return true;
+}
+
 void flow_generate(front_ctx *fx, struct MHD_Connection *conn, const char *url, const char *body,
                    size_t len, front_reply *out) {
     px_req *r = req_new(fx, conn, url);
     if (!r) return front_reply_error(out, 500, "out of memory");
     pxm_begin(fx->pm);
-    cJSON *root = cJSON_ParseWithLength(body, len);
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, false);
     char *params = NULL;
     if (!root || !cJSON_IsObject(root)) {
         reply_error(r, out, 400, "the request body is not a JSON object");
+    } else if (!only_space(end, (size_t)(body + len - end))) {
+        /* As the instances do: refused here, before P computes (and ships)
+         * KV that D would then refuse to take. */
+        reply_error(r, out, 400, "the request body has data after its JSON object");
     } else if (registry_pick(fx->reg, ROLE_DECODE, NULL, 0, pd_now(), &r->d) != 0) {
         reply_error(r, out, 503, "no decode instance is available");
     } else {

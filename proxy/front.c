@@ -66,9 +66,10 @@ static void do_health(front_ctx *fx, front_reply *out) {
     double now = pd_now();
     int np = registry_live(fx->reg, ROLE_PREFILL, now),
         nd = registry_live(fx->reg, ROLE_DECODE, now);
+    const bool draining = atomic_load(&fx->draining), ok = np && nd && !draining;
     pd_buf b;
     pd_buf_init(&b);
-    pd_buf_printf(&b, "{\"status\":\"%s\",", np && nd ? "ok" : "unavailable");
+    pd_buf_printf(&b, "{\"status\":\"%s\",", draining ? "draining" : ok ? "ok" : "unavailable");
     registry_json(fx->reg, now, &b);
     if (fx->disc) {
         unsigned long long acc, rej;
@@ -79,7 +80,7 @@ static void do_health(front_ctx *fx, front_reply *out) {
     pd_buf_puts(&b, "}");
     size_t len = 0;
     char *body = pd_buf_take(&b, &len);
-    front_reply_body(out, np && nd ? 200 : 503, "application/json", body, len);
+    front_reply_body(out, ok ? 200 : 503, "application/json", body, len);
 }
 
 static void do_metrics(front_ctx *fx, front_reply *out) {
@@ -131,6 +132,13 @@ static void dispatch(front *f, struct MHD_Connection *conn, const char *url, con
             return front_reply_error(out, 400,
                                      "Unsupported Media Type: Only 'application/json' is allowed");
         if (bs->body.oom) return front_reply_error(out, 500, "out of memory");
+        if (atomic_load(&fx->draining)) {
+            /* A keep-alive client would otherwise be served on and on until
+             * the drain's end cut it off; closing sends it elsewhere. */
+            front_reply_error(out, 503, "pdproxy is shutting down");
+            if (out->resp) MHD_add_response_header(out->resp, "Connection", "close");
+            return;
+        }
         return flow_generate(fx, conn, url, bs->body.data ? bs->body.data : "", bs->body.len, out);
     }
     static const char *gets[] = {"/v1/models", "/health", "/ping", "/metrics"};
@@ -159,8 +167,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     atomic_fetch_add(&f->ctx.active, 1);
     front_reply out = {0};
     dispatch(f, conn, url, method, bs, &out);
-    atomic_fetch_sub(&f->ctx.active, 1);
-    return pd_httpd_send(conn, out.status, out.resp, out.close);
+    enum MHD_Result rc = pd_httpd_send(conn, out.status, out.resp, out.close);
+    atomic_fetch_sub(&f->ctx.active, 1); /* after the answer is queued, so a drain waits for it */
+    return rc;
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
@@ -201,6 +210,7 @@ int front_port(const front *f) {
 }
 
 void front_quiesce(front *f) {
+    atomic_store(&f->ctx.draining, true);
     pd_httpd_quiesce(&f->httpd);
 }
 

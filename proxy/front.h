@@ -53,6 +53,7 @@ typedef struct front_ctx {
     uint64_t id_salt;
     atomic_ullong next_id;
     atomic_int active;
+    atomic_bool draining; /* SIGTERM: new generations get 503, /health says so */
     atomic_bool hard_stop;
 } front_ctx;
 

@@ -89,12 +89,20 @@ static bool alive(const slot *s, double now) {
     return s->live && (s->is_static || s->expiry > now);
 }
 
-/* Take a slot for (role, http): the existing one or a new one. */
+/* Take a slot for (role, http): the existing one or a new one. When the
+ * table is full, an expired slot that no request holds (a pick holds its
+ * id until release, counted in in_flight) is used again, so instances that
+ * come and go (new addresses after restarts) never fill it for good. */
 static slot *claim(registry *r, px_role role, const char *http, const char *kv) {
     slot *s = find(r, role, http);
     if (!s) {
-        if (r->n >= REG_MAX_SLOTS) return NULL;
-        s = &r->slots[r->n++];
+        if (r->n < REG_MAX_SLOTS) {
+            s = &r->slots[r->n++];
+        } else {
+            for (int i = 0; i < r->n && !s; i++)
+                if (!r->slots[i].live && r->slots[i].in_flight == 0) s = &r->slots[i];
+            if (!s) return NULL;
+        }
         memset(s, 0, sizeof *s);
         s->role = role;
         snprintf(s->http, sizeof s->http, "%s", http);

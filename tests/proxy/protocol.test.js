@@ -7,7 +7,9 @@
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const http = require('node:http');
-const { post, get, parseSSE, isErrorShape, startProxy, sleep, waitFor, metrics } = require('./lib');
+const net = require('node:net');
+const fs = require('node:fs');
+const { post, get, parseSSE, isErrorShape, startProxy, stopProc, sleep, waitFor, metrics } = require('./lib');
 
 // A fake instance. mode(): 'ok' | 'null' | 'fail500' | 'hang' | 'break' | 'forever' | 'slow'
 function fake(name) {
@@ -25,6 +27,10 @@ function fake(name) {
       if (mode === 'fail500') {
         res.writeHead(500, { 'Content-Type': 'application/json' });
         return res.end(JSON.stringify({ error: { message: 'engine exploded', type: 'InternalServerError', param: null, code: 500 } }));
+      }
+      if (mode === 'fail503') { // as a draining pdserve answers
+        res.writeHead(503, { 'Content-Type': 'application/json' });
+        return res.end(JSON.stringify({ error: { message: 'the server is shutting down', type: 'ServiceUnavailableError', param: null, code: 503 } }));
       }
       if (rec.json && rec.json.stream) { // a decode stream
         res.writeHead(200, { 'Content-Type': 'text/event-stream' });
@@ -137,8 +143,71 @@ test('a failed prefill is retried once on the other instance; both failing is a 
   const r = await post(px.url, '/v1/completions', { prompt: 'x', max_tokens: 2 });
   assert.equal(r.status, 502);
   assert.ok(isErrorShape(r.json, 502), r.text);
-  assert.match(r.json.error.message, /prefill instance 127\.0\.0\.1:\d+ answered HTTP 500/);
+  assert.match(r.json.error.message, /prefill instance 127\.0\.0\.1:\d+ answered HTTP 500: engine exploded/);
   assert.equal(dA.got.length, ok); // decode only after a good prefill
+});
+
+test('a body with data after its JSON object is a 400 before any prefill', async () => {
+  reset();
+  const r = await post(px.url, '/v1/completions', '{"prompt": "x", "max_tokens": 2}}');
+  assert.equal(r.status, 400, r.text);
+  assert.ok(isErrorShape(r.json, 400));
+  assert.match(r.json.error.message, /data after its JSON object/);
+  assert.equal(pA.got.length + pB.got.length, 0);
+  const ok = await post(px.url, '/v1/completions', '{"prompt": "x", "max_tokens": 2}\n');
+  assert.equal(ok.status, 200, ok.text);
+});
+
+test('a decode 503 (draining) is relayed and the instance backed off', async () => {
+  await sleep(350);
+  reset();
+  const before = (await metrics(px.url)).sum('pdproxy_instance_errors_total', `instance="${dA.addr}"`);
+  dA.mode = 'fail503';
+  const r = await post(px.url, '/v1/completions', { prompt: 'x' });
+  assert.equal(r.status, 503);
+  assert.ok(isErrorShape(r.json, 503));
+  assert.match(r.json.error.message, /shutting down/);
+  const h = await get(px.url, '/health');
+  assert.ok(h.json.decode.some((d) => d.http_address === dA.addr && d.backoff), h.text);
+  assert.equal((await metrics(px.url)).sum('pdproxy_instance_errors_total', `instance="${dA.addr}"`), before + 1);
+  await sleep(350);
+});
+
+test('SIGTERM: a kept-alive connection gets 503 with Connection: close, /health says draining', async () => {
+  reset();
+  const d = await startProxy(['--discovery-port', '0', '--prefill', pA.addr, '--decode', dA.addr,
+    '--timeout', '5', '--shutdown-timeout', '4'], 'proxy-drain');
+  const sock = net.connect(Number(new URL(d.url).port), '127.0.0.1');
+  let buf = '';
+  sock.on('data', (x) => { buf += x.toString('latin1'); });
+  sock.on('error', () => {});
+  await new Promise((resolve) => sock.once('connect', resolve));
+  const raw = (path, body) => (body === undefined
+    ? `GET ${path} HTTP/1.1\r\nHost: t\r\n\r\n`
+    : `POST ${path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
+  sock.write(raw('/v1/completions', JSON.stringify({ prompt: 'x', max_tokens: 2 })));
+  assert.ok(await waitFor(() => buf.includes('from dA'), 3000), buf);
+  assert.match(buf, /^HTTP\/1\.1 200/);
+  // a slow stream on another connection keeps the drain going
+  dA.mode = 'slow';
+  const slow = fetch(d.url + '/v1/completions', { method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify({ prompt: 'x', stream: true }) })
+    .then((res) => res.text()).catch(() => null);
+  assert.ok(await waitFor(() => dA.got.length >= 2, 3000));
+  d.proc.kill('SIGTERM');
+  assert.ok(await waitFor(() => fs.readFileSync(d.log, 'utf8').includes('stopping'), 3000));
+  buf = '';
+  sock.write(raw('/health'));
+  assert.ok(await waitFor(() => buf.includes('"draining"'), 3000), buf);
+  assert.match(buf, /^HTTP\/1\.1 503/);
+  buf = '';
+  sock.write(raw('/v1/completions', JSON.stringify({ prompt: 'x' })));
+  assert.ok(await waitFor(() => buf.includes('shutting down'), 3000), buf);
+  assert.match(buf, /^HTTP\/1\.1 503/);
+  assert.match(buf, /\r\nconnection: close\r\n/i);
+  const text = await slow; // the stream in flight still ends whole
+  assert.ok(text && text.includes('[DONE]'), text);
+  sock.destroy();
+  assert.equal(await stopProc(d.proc), 0);
 });
 
 test('timeouts: a prefill that never answers is a 504 within the deadline', async () => {

@@ -198,6 +198,34 @@ static void test_registry(void) {
     registry_release(r, p.id, 0.01, false, t + 8);
     registry_free(r);
 
+    /* A full table of instances that all went away takes new ones in their
+     * slots, except one a request still holds. */
+    r = registry_create(&c);
+    char addr[32];
+    int added = 0;
+    for (int i = 0; i < REG_MAX_SLOTS; i++) {
+        snprintf(addr, sizeof addr, "h:%d", 10000 + i);
+        added += registry_announce(r, ROLE_DECODE, addr, addr, t) == 1;
+    }
+    CHECK(added == REG_MAX_SLOTS);
+    CHECK(registry_announce(r, ROLE_DECODE, "full:1", "full:2", t) < 0); /* all alive: full */
+    reg_pick kept;
+    CHECK(registry_pick(r, ROLE_DECODE, NULL, 0, t, &kept) == 0);
+    CHECK(registry_expire(r, t + 10) == REG_MAX_SLOTS);
+    for (int i = 0; i < REG_MAX_SLOTS - 1; i++) {
+        snprintf(addr, sizeof addr, "n:%d", 20000 + i);
+        if (registry_announce(r, ROLE_DECODE, addr, addr, t + 10) != 1) {
+            CHECKF(0, "new instance %d of %d not taken after the old ones expired", i,
+                   REG_MAX_SLOTS - 1);
+            break;
+        }
+    }
+    CHECK(registry_live(r, ROLE_DECODE, t + 10) == REG_MAX_SLOTS - 1);
+    CHECK(registry_announce(r, ROLE_DECODE, "n:1", "n:1", t + 10) < 0); /* the held slot stays */
+    registry_release(r, kept.id, 0.01, false, t + 10);
+    CHECK(registry_announce(r, ROLE_DECODE, "n:1", "n:1", t + 10) == 1);
+    registry_free(r);
+
     /* Least loaded: the instance with fewer requests in flight wins. */
     c.least_loaded = true;
     r = registry_create(&c);
