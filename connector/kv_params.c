@@ -276,6 +276,13 @@ int kv_request_params_parse(const char *json, kv_request_params *out, pd_err *er
         out->do_remote_prefill = true;
         out->do_remote_decode = false;
     } else if (out->remote_kv_addr[0]) {
+        if (out->do_remote_prefill) {
+            /* Without the id there is no KV to fetch; read as a prefill
+             * request it would ask for both directions at once. */
+            pd_fail(err, "kv_transfer_params.do_remote_prefill needs remote_request_id (from "
+                         "the prefill instance's response)");
+            goto out;
+        }
         out->do_remote_decode = true;
     }
     /* do_remote_* without an address is left for the caller to judge: a

@@ -409,6 +409,13 @@ static int run_submit(comp_run *r, api_error *e) {
     if (p.kv.present && engine_connector(r->ctx->eng) && (p.kv.do_remote_decode || p.kv.do_remote_prefill) &&
         !p.kv.remote_kv_addr[0])
         return api_fail(e, 400, "kv_transfer_params", "kv_transfer_params.remote_kv_addr is required");
+    if (p.kv.present && p.kv.do_remote_decode && q->stream && engine_connector(r->ctx->eng) &&
+        kv_connector_is_producer(engine_connector(r->ctx->eng)))
+        /* The decode instance needs this response's kv_transfer_params,
+         * which only a whole (not streamed) answer carries. */
+        return api_fail(e, 400, "stream",
+                        "a prefill request (kv_transfer_params.do_remote_decode) needs stream "
+                        "false: its response carries the kv_transfer_params for the decode side");
     if (p.kv.present && r->n_ch > 1 && engine_connector(r->ctx->eng))
         return api_fail(e, 400, "kv_transfer_params",
                         "kv_transfer_params needs a single prompt and n=1 (got %d choices)", r->n_ch);
@@ -536,7 +543,9 @@ static void stream_collect(comp_run *r) {
         v.text_len = t.len;
         v.lp_from = c->lp_sent;
         long long usage[2] = {r->prompt_tokens, completion_tokens(r)};
-        emit(r, completion_chunk_sse(&r->meta, &v, r->req.continuous_usage ? usage : NULL, NULL));
+        emit(r, completion_chunk_sse(&r->meta, &v,
+                                     r->req.include_usage && r->req.continuous_usage ? usage : NULL,
+                                     NULL));
         pd_buf_free(&t);
         c->echo_sent = true;
         c->sent = end;

@@ -109,7 +109,7 @@ test('malformed kv_transfer_params get 400 on both sides', async () => {
     'not an object', [1, 2], { remote_kv_addr: 5 }, { remote_kv_addr: 'no-port' }, { remote_kv_addr: 'h:99999' },
     { remote_request_id: 7, remote_kv_addr: '127.0.0.1:1' }, { remote_request_id: 'x' },
     { do_remote_decode: 'yes', remote_kv_addr: '127.0.0.1:1' }, { num_tokens: -3, remote_kv_addr: '127.0.0.1:1' },
-    { do_remote_decode: true },
+    { do_remote_decode: true }, { do_remote_prefill: true, remote_kv_addr: '127.0.0.1:1' },
   ];
   for (const base of [E.URL_p_PUT, E.URL_d_PUT]) {
     for (const kv of bad) {
@@ -118,6 +118,10 @@ test('malformed kv_transfer_params get 400 on both sides', async () => {
       assert.ok(r.json && r.json.error && r.json.error.message, r.text);
     }
   }
+  // A streamed prefill request could not hand its kv_transfer_params on.
+  const st = await post(E.URL_p_PUT, { prompt: 'x', max_tokens: 1, stream: true, kv_transfer_params: { do_remote_decode: true, remote_kv_addr: E.KV_d_PUT } });
+  assert.equal(st.status, 400, st.text);
+  assert.match(st.json.error.message, /needs stream false/);
   // And after them, a disaggregated request goes through as before.
   assert.equal(await disagg(E.URL_p_PUT, E.URL_d_PUT, E.KV_d_PUT, PROMPTS[5], false), REF[5]);
 });

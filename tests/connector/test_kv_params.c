@@ -142,12 +142,15 @@ static void request_params(void) {
                                   "\"remote_kv_addr\":null}",
                                   &p, &err) == 0);
     CHECK(p.present && !p.remote_kv_addr[0]);
-    const char *bad[] = {"\"str\"", "[1]", "{\"remote_kv_addr\":5}", "{\"remote_kv_addr\":\"nohost\"}",
-                         "{\"remote_kv_addr\":\"h:0\"}", "{\"remote_kv_addr\":\"h:70000\"}",
-                         "{\"remote_kv_addr\":\"bad host:1\"}", "{\"remote_request_id\":\"x\"}",
-                         "{\"remote_request_id\":\"\",\"remote_kv_addr\":\"h:1\"}",
-                         "{\"remote_request_id\":\"a#1\",\"remote_kv_addr\":\"h:1\"}",
-                         "{\"do_remote_decode\":1}", "{\"num_tokens\":1.5,\"remote_kv_addr\":\"h:1\"}", "{bad json"};
+    const char *bad[] = {
+        "\"str\"", "[1]", "{\"remote_kv_addr\":5}", "{\"remote_kv_addr\":\"nohost\"}",
+        "{\"remote_kv_addr\":\"h:0\"}", "{\"remote_kv_addr\":\"h:70000\"}",
+        "{\"remote_kv_addr\":\"bad host:1\"}", "{\"remote_request_id\":\"x\"}",
+        "{\"remote_request_id\":\"\",\"remote_kv_addr\":\"h:1\"}",
+        "{\"remote_request_id\":\"a#1\",\"remote_kv_addr\":\"h:1\"}", "{\"do_remote_decode\":1}",
+        "{\"num_tokens\":1.5,\"remote_kv_addr\":\"h:1\"}", "{bad json",
+        /* a decode request without the prefill's transfer id */
+        "{\"do_remote_prefill\":true,\"remote_kv_addr\":\"h:1\"}"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int rc = kv_request_params_parse(bad[i], &p, &err);
         CHECKF(rc != 0 && strstr(err.msg, "kv_transfer_params"), "%s -> rc %d '%s'", bad[i], rc, err.msg);

@@ -182,6 +182,9 @@ test('streaming: framing, deltas equal the full text, include_usage, [DONE]', as
   // continuous usage stats
   const s4 = await stream(A, { model: env.model, prompt: 'x', max_tokens: 3, stream_options: { include_usage: true, continuous_usage_stats: true }, ...greedy });
   assert.ok(s4.events.every((e) => e.usage && typeof e.usage.total_tokens === 'number'));
+  // continuous_usage_stats counts only with include_usage (as vLLM)
+  const su = await stream(A, { model: env.model, prompt: 'x', max_tokens: 3, stream_options: { include_usage: false, continuous_usage_stats: true }, ...greedy });
+  assert.ok(su.events.every((e) => !e.usage && e.choices.length === 1), JSON.stringify(su.events));
   // echo while streaming: the first chunk starts with the prompt
   const s5 = await stream(A, { model: env.model, prompt: 'Echo', max_tokens: 3, echo: true, ...greedy });
   assert.ok(s5.events[0].choices[0].text.startsWith('Echo'));
