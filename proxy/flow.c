@@ -62,6 +62,8 @@ static void account(px_req *r) {
         double d_s = now - r->d_start;
         registry_release(r->fx->reg, r->d.id, d_s, r->d_failed, now);
         r->upstream_s += d_s;
+    } else if (r->have_d && r->d_failed) { /* P could not hand it the KV */
+        registry_release(r->fx->reg, r->d.id, -1, true, now);
     } else if (r->have_d) { /* reserved, but the request never got to it */
         registry_unpick(r->fx->reg, r->d.id);
     }
@@ -196,10 +198,23 @@ static pf_result prefill(px_req *r, const cJSON *root, char **params, front_repl
             relay(r, out, st, ctype, ans, alen);
             goto done;
         } else if (ur == UP_OK) {
-            /* Keep P's own words: its 502 may be about the decode side
-             * (the KV push to D failed), which only the message says. */
-            char said[300];
-            if (rewrite_error_message(ans, alen, said, sizeof said) == 0)
+            /* Keep P's own words in the error. */
+            char said[300], param[64];
+            const bool has_msg =
+                rewrite_error_message(ans, alen, said, sizeof said, param, sizeof param) == 0;
+            if (has_msg && st == 502 && !strcmp(param, "kv_transfer_params")) {
+                /* P computed the prompt but could not hand its KV to D (D
+                 * unreachable, or no room there): D's fault, and another P
+                 * would meet the same D. No retry; D is backed off. */
+                registry_release(r->fx->reg, p.id, now - s0, false, now);
+                r->d_failed = true;
+                reply_error(r, out, 502,
+                            "prefill instance %s could not hand the KV to decode instance %s: %s",
+                            p.http, r->d.http, said);
+                free(ans);
+                goto done;
+            }
+            if (has_msg)
                 snprintf(last_msg, sizeof last_msg, "prefill instance %s answered HTTP %ld: %s",
                          p.http, st, said);
             else

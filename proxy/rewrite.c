@@ -135,14 +135,17 @@ char *rewrite_error_json(int status, const char *message, size_t *len) {
     return error_json(status, rewrite_error_type(status), message, NULL, len);
 }
 
-int rewrite_error_message(const char *body, size_t len, char *out, size_t cap) {
+int rewrite_error_message(const char *body, size_t len, char *out, size_t cap, char *param,
+                          size_t pcap) {
     cJSON *root = body ? cJSON_ParseWithLength(body, len) : NULL;
     const cJSON *e = root ? cJSON_GetObjectItemCaseSensitive(root, "error") : NULL;
     const cJSON *msg = e ? cJSON_GetObjectItemCaseSensitive(e, "message") : NULL;
+    const cJSON *par = e ? cJSON_GetObjectItemCaseSensitive(e, "param") : NULL;
     const char *text = cJSON_IsString(msg) ? msg->valuestring
                        : cJSON_IsString(e) ? e->valuestring
                                            : NULL;
     if (text) snprintf(out, cap, "%s", text);
+    if (pcap) snprintf(param, pcap, "%s", cJSON_IsString(par) ? par->valuestring : "");
     cJSON_Delete(root);
     return text ? 0 : -1;
 }

@@ -29,8 +29,10 @@ const char *rewrite_error_type(int status);
 /* {"error":{"message":..,"type":..,"param":null,"code":status}} — new buffer. */
 char *rewrite_error_json(int status, const char *message, size_t *len);
 /* The message of an OpenAI error body ({"error":{"message":..}} or
- * {"error":".."}) into out; 0, or -1 when body is no such error. */
-int rewrite_error_message(const char *body, size_t len, char *out, size_t cap);
+ * {"error":".."}) into msg, and its param (empty when none) into param;
+ * 0, or -1 when body is no such error. */
+int rewrite_error_message(const char *body, size_t len, char *msg, size_t cap, char *param,
+                          size_t pcap);
 /* An instance's error answer, its message prefixed with who said it; when
  * the body is not an OpenAI error, a new one saying the status. */
 char *rewrite_upstream_error(const char *body, size_t len, int status, const char *who,

@@ -67,6 +67,7 @@ typedef struct comp_run {
     pd_buf out;
     size_t out_pos;
     bool stream_done, error_sent;
+    bool kv_send; /* a prefill request: its KV goes to a decode instance */
     engine_token tbuf[READ_BATCH];
     int32_t *top_ids;
     float *top_lps;
@@ -416,6 +417,8 @@ static int run_submit(comp_run *r, api_error *e) {
         return api_fail(e, 400, "stream",
                         "a prefill request (kv_transfer_params.do_remote_decode) needs stream "
                         "false: its response carries the kv_transfer_params for the decode side");
+    r->kv_send = p.kv.present && p.kv.do_remote_decode && engine_connector(r->ctx->eng) &&
+                 kv_connector_is_producer(engine_connector(r->ctx->eng));
     if (p.kv.present && r->n_ch > 1 && engine_connector(r->ctx->eng))
         return api_fail(e, 400, "kv_transfer_params",
                         "kv_transfer_params needs a single prompt and n=1 (got %d choices)", r->n_ch);
@@ -466,8 +469,12 @@ static void reply_full(comp_run *r, http_reply *out) {
         choice *c = &r->ch[i];
         if (c->fin == FINISH_ERROR) {
             api_error e;
-            api_fail(&e, c->seq ? engine_seq_error_status(c->seq) : 500, NULL, "generation failed: %s",
-                     c->seq ? engine_seq_error(c->seq) : "unknown error");
+            const int status = c->seq ? engine_seq_error_status(c->seq) : 500;
+            /* A prefill's 502 is always its KV hand-off to the decode side
+             * failing; param says so, so a proxy blames the decode
+             * instance, not this one (docs/protocol.md). */
+            api_fail(&e, status, r->kv_send && status == 502 ? "kv_transfer_params" : NULL,
+                     "generation failed: %s", c->seq ? engine_seq_error(c->seq) : "unknown error");
             free(views);
             free(texts);
             return http_reply_error(out, &e);

@@ -232,6 +232,9 @@ test('kv buffer too small for one request: clear error, nothing leaks, next requ
   const pre = await post(E.URL_p_fault, { prompt: PROMPTS[60], max_tokens: 1, kv_transfer_params: { remote_kv_addr: E.KV_d_small } });
   assert.ok(pre.status >= 500 && pre.json && pre.json.error, pre.text);
   assert.match(pre.json.error.message, /kv_buffer_size/);
+  // param tells a proxy that the decode side could not take the KV (docs/protocol.md)
+  assert.equal(pre.status, 502, pre.text);
+  assert.equal(pre.json.error.param, 'kv_transfer_params', pre.text);
   const m = await metrics(E.URL_d_small);
   assert.equal(m.sum('pdserve:kv_buffered_bytes'), 0);
   await stillServes(E.URL_p_fault);

@@ -28,6 +28,10 @@ function fake(name) {
         res.writeHead(500, { 'Content-Type': 'application/json' });
         return res.end(JSON.stringify({ error: { message: 'engine exploded', type: 'InternalServerError', param: null, code: 500 } }));
       }
+      if (mode === 'kvfail') { // as a pdserve prefill answers when D cannot take the KV
+        res.writeHead(502, { 'Content-Type': 'application/json' });
+        return res.end(JSON.stringify({ error: { message: 'generation failed: consumer 127.0.0.1:7777 has no room', type: 'BadGatewayError', param: 'kv_transfer_params', code: 502 } }));
+      }
       if (mode === 'fail503') { // as a draining pdserve answers
         res.writeHead(503, { 'Content-Type': 'application/json' });
         return res.end(JSON.stringify({ error: { message: 'the server is shutting down', type: 'ServiceUnavailableError', param: null, code: 503 } }));
@@ -145,6 +149,22 @@ test('a failed prefill is retried once on the other instance; both failing is a 
   assert.ok(isErrorShape(r.json, 502), r.text);
   assert.match(r.json.error.message, /prefill instance 127\.0\.0\.1:\d+ answered HTTP 500: engine exploded/);
   assert.equal(dA.got.length, ok); // decode only after a good prefill
+});
+
+test('a prefill that could not hand the KV to decode: 502 naming both, no retry, decode backed off', async () => {
+  await sleep(350);
+  reset();
+  pA.mode = pB.mode = 'kvfail';
+  const r = await post(px.url, '/v1/completions', { prompt: 'x', max_tokens: 2 });
+  assert.equal(r.status, 502, r.text);
+  assert.ok(isErrorShape(r.json, 502));
+  assert.match(r.json.error.message, new RegExp(`could not hand the KV to decode instance ${dA.addr}: generation failed: consumer .* has no room`));
+  assert.equal(pA.got.length + pB.got.length, 1, 'not retried on the other prefill instance');
+  assert.equal(dA.got.length, 0);
+  const h = await get(px.url, '/health');
+  assert.ok(h.json.decode.some((d) => d.http_address === dA.addr && d.backoff), h.text);
+  assert.ok(h.json.prefill.every((p) => !p.backoff), h.text);
+  await sleep(350);
 });
 
 test('a body with data after its JSON object is a 400 before any prefill', async () => {
