@@ -136,8 +136,13 @@ int kv_transfer_config_parse(const char *json, kv_transfer_config *c, pd_err *er
         return pd_fail(err, "--kv-transfer-config: not a JSON object");
     }
     int rc = -1;
-    const cJSON *conn = cJSON_GetObjectItemCaseSensitive(root, "kv_connector");
-    const cJSON *role = cJSON_GetObjectItemCaseSensitive(root, "kv_role");
+    /* A key given twice counts as its last value, as Python's json (vLLM)
+     * reads it, and as every other key here is read. */
+    const cJSON *conn = NULL, *role = NULL, *it;
+    cJSON_ArrayForEach(it, root) {
+        if (!strcmp(it->string, "kv_connector")) conn = it;
+        if (!strcmp(it->string, "kv_role")) role = it;
+    }
     if (!cJSON_IsString(conn)) {
         pd_fail(err, "--kv-transfer-config: kv_connector is required (\"P2pNcclConnector\")");
         goto out;
@@ -167,8 +172,11 @@ int kv_transfer_config_parse(const char *json, kv_transfer_config *c, pd_err *er
             if (json_string(v, "kv_ip", c->kv_ip, sizeof c->kv_ip, err)) goto out;
         } else if (!strcmp(k, "kv_buffer_size")) {
             if (json_number(v, "kv_buffer_size", &c->kv_buffer_size, err)) goto out;
-            if (!(c->kv_buffer_size > 0)) {
-                pd_fail(err, "--kv-transfer-config: kv_buffer_size must be positive, got %g", c->kv_buffer_size);
+            if (!(c->kv_buffer_size > 0) || c->kv_buffer_size > 1e15) {
+                pd_fail(err,
+                        "--kv-transfer-config: kv_buffer_size must be a byte count in (0, 1e15], "
+                        "got %g",
+                        c->kv_buffer_size);
                 goto out;
             }
         } else if (!strcmp(k, "kv_connector_extra_config")) {

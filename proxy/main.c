@@ -213,12 +213,13 @@ int main(int argc, char **argv) {
         fprintf(stderr, "pdproxy: %s\n", err.msg);
         goto out;
     }
+    char disc_txt[32] = "off";
+    if (disc) snprintf(disc_txt, sizeof disc_txt, "on port %d", discovery_port(disc));
     pd_log(PD_LOG_INFO,
-           "pdproxy on http://%s:%d (discovery %s%d, routing %s, instance timeout %.1f s, "
+           "pdproxy on http://%s:%d (discovery %s, routing %s, instance timeout %.1f s, "
            "request timeout %.0f s)",
-           o.host ? o.host : "0.0.0.0", front_port(fr), disc ? "on port " : "off",
-           disc ? discovery_port(disc) : 0, o.routing, (double)o.instance_timeout,
-           (double)o.timeout);
+           o.host ? o.host : "0.0.0.0", front_port(fr), disc_txt, o.routing,
+           (double)o.instance_timeout, (double)o.timeout);
 
     int sig = 0;
     while (sigwait(&sigs, &sig) != 0) {

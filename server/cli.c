@@ -62,9 +62,25 @@ static int set_value(const cli_option *o, void *dst, const char *text, pd_err *e
     return pd_fail(err, "--%s: bad option type", o->name);
 }
 
-/* The option an argument "--name[=value]" or "--no-name" names, or -1. */
-static int find_option(const cli_option *opts, int n_opts, const char *arg, int *negated) {
+/* Whether given (len chars) begins declared, '_' and '-' alike. */
+static int name_begins(const char *given, size_t len, const char *declared) {
+    size_t i = 0;
+    for (; i < len && declared[i]; i++) {
+        char a = given[i] == '_' ? '-' : given[i];
+        if (a != declared[i]) return 0;
+    }
+    return i == len;
+}
+
+/* The option an argument "--name[=value]" or "--no-name" names, or -1.
+ * Like Python's argparse (which vLLM's flags go through), an unambiguous
+ * beginning of a name also names it: vLLM's own examples write
+ * --disable-log-request for --disable-log-requests. -2: the beginning fits
+ * several, *other then being a second one. */
+static int find_option(const cli_option *opts, int n_opts, const char *arg, int *negated,
+                       int *other) {
     *negated = 0;
+    *other = -1;
     if (strncmp(arg, "--", 2) != 0 || arg[2] == 0) return -1;
     const char *name = arg + 2;
     const char *eq = strchr(name, '=');
@@ -77,7 +93,16 @@ static int find_option(const cli_option *opts, int n_opts, const char *arg, int 
             return i;
         }
     }
-    return -1;
+    int found = -1;
+    for (int i = 0; i < n_opts; i++) {
+        if (!name_begins(name, len, opts[i].name)) continue;
+        if (found >= 0) {
+            *other = i;
+            return -2;
+        }
+        found = i;
+    }
+    return found;
 }
 
 int cli_parse(const cli_option *opts, int n_opts, void *dst, int argc, char **argv,
@@ -98,8 +123,13 @@ int cli_parse(const cli_option *opts, int n_opts, void *dst, int argc, char **ar
         const char *name = arg + 2;
         const char *eq = strchr(name, '=');
         size_t len = eq ? (size_t)(eq - name) : strlen(name);
-        int negated = 0;
-        int found = find_option(opts, n_opts, arg, &negated);
+        int negated = 0, other = -1;
+        int found = find_option(opts, n_opts, arg, &negated, &other);
+        if (found == -2) {
+            int ignored, first = find_option(opts, other, arg, &negated, &ignored); /* before it */
+            return pd_fail(err, "ambiguous flag --%.*s: --%s or --%s (and maybe more)", (int)len,
+                           name, opts[first].name, opts[other].name);
+        }
         if (found < 0) return pd_fail(err, "unknown flag --%.*s (see --help)", (int)len, name);
         const cli_option *o = &opts[found];
         const char *value;
@@ -123,8 +153,8 @@ void cli_split(const cli_option *opts, int n_opts, int argc, char **argv, char *
                int *n_mine, char **rest, int *n_rest) {
     *n_mine = *n_rest = 0;
     for (int a = 0; a < argc; a++) {
-        int negated;
-        int i = find_option(opts, n_opts, argv[a], &negated);
+        int negated, other;
+        int i = find_option(opts, n_opts, argv[a], &negated, &other);
         if (i < 0) {
             rest[(*n_rest)++] = argv[a];
             continue;

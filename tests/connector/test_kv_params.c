@@ -22,6 +22,12 @@ static void config_ok(void) {
     CHECK(c.role == KV_ROLE_CONSUMER && c.kv_port == 14579 && c.kv_buffer_size == 1e9 && c.send_type == KV_SEND_PUT_ASYNC);
     CHECK(c.transport == KV_TRANSPORT_TCP && c.timeout_s == 30 && c.proxy_ip[0] == 0 &&
           !c.recv_into_pinned && !c.recompute_on_load_failure);
+    /* A key given twice: its last value, as Python's json reads it. */
+    CHECK(kv_transfer_config_parse(
+              "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_producer\","
+              "\"kv_role\":\"kv_consumer\",\"kv_port\":1,\"kv_port\":2}",
+              &c, &err) == 0 &&
+          c.role == KV_ROLE_CONSUMER && c.kv_port == 2);
     /* vLLM's kv_load_failure_policy, a top-level key. */
     CHECK(kv_transfer_config_parse(
               "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","

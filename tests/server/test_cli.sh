@@ -43,6 +43,14 @@ grep -q -- "--dtype.*'int4'" "$tmp/err" && ok || bad "dtype message: $(cat "$tmp
 # Bad input: exit 2 (usage) or 1 (runtime) with a one-line message naming the problem.
 expect_rc 2 "unknown flag" "$bin" generate "$tmp/m" --prompt x --bogus 1
 grep -q -- '--bogus' "$tmp/err" && ok || bad "unknown flag message: $(cat "$tmp/err")"
+# argparse (vLLM) takes an unambiguous beginning of a flag's name: so do we.
+"$bin" generate "$tmp/m" --prompt "The quick brown fox" --max-tok 12 --ignore >"$tmp/g5" 2>/dev/null
+cmp -s "$tmp/g1" "$tmp/g5" && ok || bad "--max-tok / --ignore as abbreviations"
+expect_rc 2 "ambiguous flag" "$bin" generate "$tmp/m" --prompt x --m 3
+grep -q -- 'ambiguous flag --m: --' "$tmp/err" && ok || bad "ambiguous flag message: $(cat "$tmp/err")"
+expect_rc 2 "kv_buffer_size too big" "$bin" serve "$tmp/m" --port 0 \
+  --kv-transfer-config '{"kv_connector":"P2pNcclConnector","kv_role":"kv_producer","kv_buffer_size":1e30}'
+grep -q 'kv_buffer_size must be a byte count' "$tmp/err" && ok || bad "kv_buffer_size message: $(cat "$tmp/err")"
 expect_rc 2 "bad number" "$bin" generate "$tmp/m" --prompt x --max-tokens abc
 grep -q -- 'max-tokens' "$tmp/err" && ok || bad "bad value message: $(cat "$tmp/err")"
 expect_rc 2 "out of range" "$bin" generate "$tmp/m" --prompt x --top-p 1.5
