@@ -14,9 +14,10 @@ int opt_model_load(const char *model_dir, pd_backend *be, opt_model **out, pd_er
     if (checkpoint_open(model_dir, &ckpt, err) != 0) return -1;
     opt_weights w = {0};
     int rc = opt_weights_bind(&cfg, ckpt, &w, err);
+    const bool bound = rc == 0;
     if (rc == 0) rc = opt_model_create(&cfg, &w, be, out, err);
-    /* The backend holds converted copies now; the mapping can go. */
-    if (rc == 0) opt_weights_release(&w);
+    /* The backend holds converted copies now (or failed): the bound views go. */
+    if (bound) opt_weights_release(&w);
     checkpoint_close(ckpt);
     return rc == 0 ? 0 : pd_wrap(err, "%s", model_dir);
 }

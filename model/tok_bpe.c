@@ -296,7 +296,7 @@ const char *detok_stream_step(detok_stream *ds, int32_t id, size_t *len) {
     if (grow((void **)&ds->out, &ds->out_cap, 3 * ready + 1) != 0) return NULL;
     size_t m = tok_utf8_repair(ds->pending, ready, ds->out);
     ds->out[m] = 0;
-    memmove(ds->pending, ds->pending + ready, keep);
+    if (keep) memmove(ds->pending, ds->pending + ready, keep); /* pending may be NULL */
     ds->pending_len = keep;
     *len = m;
     return ds->out;

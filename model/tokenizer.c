@@ -640,6 +640,18 @@ int tokenizer_eos_id(const tokenizer *t) {
     return t->eos;
 }
 
+int tokenizer_check_model_vocab(const tokenizer *t, int vocab_size, pd_err *err) {
+    const int ids[2] = {t->bos, t->eos};
+    const char *names[2] = {"BOS", "EOS"};
+    for (int i = 0; i < 2; i++)
+        if (ids[i] >= vocab_size)
+            return pd_fail(err,
+                           "the tokenizer's %s id %d is outside the model's vocabulary "
+                           "(vocab_size %d in config.json): tokenizer files and model do not match",
+                           names[i], ids[i], vocab_size);
+    return 0;
+}
+
 bool tokenizer_is_special(const tokenizer *t, int id) {
     return id >= 0 && id < t->n_ids && t->id_special[id];
 }

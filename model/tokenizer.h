@@ -29,6 +29,9 @@ int tokenizer_vocab_size(const tokenizer *tok); /* entries in vocab.json */
 int tokenizer_bos_id(const tokenizer *tok);     /* -1 when none */
 int tokenizer_eos_id(const tokenizer *tok);
 bool tokenizer_is_special(const tokenizer *tok, int id);
+/* Whether the tokenizer's BOS and EOS ids exist in a model of vocab_size
+ * logits (a tokenizer from another model would index past them). */
+int tokenizer_check_model_vocab(const tokenizer *tok, int vocab_size, pd_err *err);
 
 /* Encode len bytes of UTF-8 text. add_special: prepend BOS when the tokenizer
  * config says so (HF add_special_tokens=True). Invalid UTF-8 input is an

@@ -86,6 +86,8 @@ static int generate(const generate_opts *o, const char *model_arg, gen_state *g,
     double t_load = pd_now();
     if (opt_model_load(g->model_dir, g->be, &g->model, err) != 0) return -1;
     const opt_config *cfg = opt_model_config(g->model);
+    if (tokenizer_check_model_vocab(g->tok, cfg->vocab_size, err) != 0)
+        return pd_wrap(err, "%s", g->model_dir);
     pd_log(PD_LOG_INFO, "loaded %s: %d layers, hidden %d, %.1f MB of weights in %.2f s", g->model_dir,
            cfg->num_hidden_layers, cfg->hidden_size, opt_model_weight_bytes(g->model) / 1e6,
            pd_now() - t_load);

@@ -781,7 +781,12 @@ int engine_create(const engine_config *cfg, engine **out, pd_err *err) {
     kv_sizing ks;
     if (engine_load_and_size(e, &ks, err) != 0) goto fail;
     const opt_config *mc = opt_model_config(e->model);
+    if (tokenizer_check_model_vocab(e->tok, mc->vocab_size, err) != 0) {
+        pd_wrap(err, "%s", cfg->model_dir);
+        goto fail;
+    }
     e->eos_id = tokenizer_eos_id(e->tok) >= 0 ? tokenizer_eos_id(e->tok) : mc->eos_token_id;
+    if (e->eos_id >= mc->vocab_size) e->eos_id = -1; /* config's own, out of range: no EOS */
     int bs = cfg->block_size, n_blocks = ks.num_blocks;
     if (kv_pool_create(n_blocks, bs, &e->pool, err) != 0) goto fail;
     if (opt_kv_storage_create(e->model, n_blocks, bs, &e->kv, err) != 0) {

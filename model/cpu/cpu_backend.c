@@ -87,16 +87,23 @@ static int cpu_upload_view(pd_backend *be, void *dst, const pd_view *v, pd_err *
     case PD_F32:
         memcpy(y, v->data, n * sizeof(float));
         return 0;
+    /* Checkpoint data need not be 2-byte aligned (safetensors does not
+     * promise it): each element is copied out, not read in place. */
     case PD_F16: {
-        const uint16_t *h = v->data;
-        for (size_t i = 0; i < n; i++)
-            y[i] = half_to_float(h[i]);
+        const unsigned char *h = v->data;
+        for (size_t i = 0; i < n; i++) {
+            uint16_t x;
+            memcpy(&x, h + 2 * i, 2);
+            y[i] = half_to_float(x);
+        }
         return 0;
     }
     case PD_BF16: {
-        const uint16_t *h = v->data;
+        const unsigned char *h = v->data;
         for (size_t i = 0; i < n; i++) {
-            uint32_t bits = (uint32_t)h[i] << 16;
+            uint16_t x;
+            memcpy(&x, h + 2 * i, 2);
+            uint32_t bits = (uint32_t)x << 16;
             memcpy(&y[i], &bits, sizeof bits);
         }
         return 0;

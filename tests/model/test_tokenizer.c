@@ -656,6 +656,12 @@ int main(void) {
     }
     test_hf_specifics(tok);
     test_specials(tok);
+    /* A model whose vocabulary does not reach the tokenizer's EOS (50256)
+     * is refused by name, not indexed past at the first request. */
+    CHECK(tokenizer_check_model_vocab(tok, 50272, &err) == 0);
+    CHECKF(tokenizer_check_model_vocab(tok, 100, &err) != 0 &&
+               strstr(err.msg, "id 50256 is outside") && strstr(err.msg, "vocab_size 100"),
+           "%s", err.msg);
     test_load_files();
     test_opt_fallback();
     cJSON_Delete(root);
