@@ -115,6 +115,15 @@ int cli_parse(const cli_option *opts, int n_opts, void *dst, int argc, char **ar
     }
     for (int a = 0; a < argc; a++) {
         const char *arg = argv[a];
+        if (arg[0] == '-' && arg[1] && arg[1] != '-' && !(arg[1] >= '0' && arg[1] <= '9')) {
+            /* Short flags: only -h, as --help; others (vLLM's -tp, ...) would
+             * otherwise be read as the model or prompt. */
+            if (!strcmp(arg, "-h"))
+                arg = "--help";
+            else
+                return pd_fail(
+                    err, "unknown flag %s: only long flags (--name) are taken (see --help)", arg);
+        }
         if (strncmp(arg, "--", 2) != 0 || arg[2] == 0) {
             if (*n_pos >= max_pos) return pd_fail(err, "unexpected argument '%s'", arg);
             positional[(*n_pos)++] = argv[a];

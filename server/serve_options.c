@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "server/cli.h"
 #include "server/device_options.h"
@@ -151,7 +152,8 @@ int serve_options_parse(int argc, char **argv, serve_options *o, pd_err *err) {
             continue;
         if (i + 1 >= argc) break; /* cli_parse reports the missing value */
         args[n_args++] = argv[++i];
-        if (n_names < SERVE_MAX_NAMES) names[n_names++] = argv[i];
+        n_names = 0; /* given again: the last one counts, as with argparse */
+        names[n_names++] = argv[i];
         while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
             if (n_names == SERVE_MAX_NAMES) {
                 free(args);
@@ -173,6 +175,17 @@ int serve_options_parse(int argc, char **argv, serve_options *o, pd_err *err) {
     if (o->served_model_name && n_names == 0) names[n_names++] = o->served_model_name;
     for (int i = 0; i < n_names; i++) {
         if (!names[i][0]) return pd_fail(err, "--served-model-name: empty name");
+        char probe[4096];
+        struct stat st;
+        snprintf(probe, sizeof probe, "%s/config.json", names[i]);
+        if (!o->model_arg && stat(probe, &st) == 0)
+            /* "serve --served-model-name x DIR": the names took DIR too, and
+             * the built-in model would be served under them. */
+            return pd_fail(err,
+                           "--served-model-name took '%s' as a name, but it is a model folder: "
+                           "put MODEL first (pdserve serve MODEL --served-model-name NAME) or "
+                           "give --model",
+                           names[i]);
         o->names[i] = names[i];
     }
     o->n_names = n_names;

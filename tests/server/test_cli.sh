@@ -48,6 +48,12 @@ grep -q -- '--bogus' "$tmp/err" && ok || bad "unknown flag message: $(cat "$tmp/
 cmp -s "$tmp/g1" "$tmp/g5" && ok || bad "--max-tok / --ignore as abbreviations"
 expect_rc 2 "ambiguous flag" "$bin" generate "$tmp/m" --prompt x --m 3
 grep -q -- 'ambiguous flag --m: --' "$tmp/err" && ok || bad "ambiguous flag message: $(cat "$tmp/err")"
+expect_rc 2 "short flag" "$bin" serve "$tmp/m" -tp 1
+grep -q -- 'unknown flag -tp' "$tmp/err" && ok || bad "short flag message: $(cat "$tmp/err")"
+expect_rc 0 "-h is --help" "$bin" serve -h
+grep -q '^usage: pdserve serve' "$tmp/out" && ok || bad "serve -h: $(head -c 200 "$tmp/out")"
+expect_rc 2 "MODEL taken by --served-model-name" "$bin" serve --port 0 --served-model-name x "$tmp/m"
+grep -q -- "--served-model-name took '$tmp/m' as a name" "$tmp/err" && ok || bad "served-model-name message: $(cat "$tmp/err")"
 expect_rc 2 "kv_buffer_size too big" "$bin" serve "$tmp/m" --port 0 \
   --kv-transfer-config '{"kv_connector":"P2pNcclConnector","kv_role":"kv_producer","kv_buffer_size":1e30}'
 grep -q 'kv_buffer_size must be a byte count' "$tmp/err" && ok || bad "kv_buffer_size message: $(cat "$tmp/err")"
