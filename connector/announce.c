@@ -166,7 +166,14 @@ static bool specific_host(const char *h) {
 int announcer_start_for_instance(const kv_transfer_config *kv, const char *kv_address, const char *host,
                                  int http_port, announcer **out, pd_err *err) {
     *out = NULL;
-    if (!kv->proxy_ip[0]) return 0; /* no proxy: nothing to announce */
+    if (!kv->proxy_ip[0]) { /* no proxy: nothing to announce */
+        if (kv->proxy_port > 0)
+            pd_log(PD_LOG_WARN,
+                   "kv_connector_extra_config has proxy_port %d but no proxy_ip: "
+                   "this instance announces itself to no proxy",
+                   kv->proxy_port);
+        return 0;
+    }
     announce_config c = {
         .proxy_ip = kv->proxy_ip,
         .proxy_port = kv->proxy_port,

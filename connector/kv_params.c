@@ -202,8 +202,12 @@ int kv_transfer_config_parse(const char *json, kv_transfer_config *c, pd_err *er
         }
     }
     if (c->proxy_ip[0] && !c->proxy_port) {
-        pd_fail(err, "--kv-transfer-config: kv_connector_extra_config.proxy_ip is set but proxy_port is not");
-        goto out;
+        /* vLLM announces only when both are set, and starts all the same. */
+        pd_log(PD_LOG_WARN,
+               "kv_connector_extra_config has proxy_ip %s but no proxy_port: this "
+               "instance announces itself to no proxy",
+               c->proxy_ip);
+        c->proxy_ip[0] = 0;
     }
     rc = 0;
 out:

@@ -22,6 +22,11 @@ static void config_ok(void) {
     CHECK(c.role == KV_ROLE_CONSUMER && c.kv_port == 14579 && c.kv_buffer_size == 1e9 && c.send_type == KV_SEND_PUT_ASYNC);
     CHECK(c.transport == KV_TRANSPORT_TCP && c.timeout_s == 30 && c.proxy_ip[0] == 0 &&
           !c.recv_into_pinned && !c.recompute_on_load_failure);
+    /* proxy_ip without proxy_port: as vLLM, it starts and announces to no one (a warning). */
+    CHECK(kv_transfer_config_parse("{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\","
+                                   "\"kv_connector_extra_config\":{\"proxy_ip\":\"1.2.3.4\"}}",
+                                   &c, &err) == 0 &&
+          c.proxy_ip[0] == 0);
     /* A key given twice: its last value, as Python's json reads it. */
     CHECK(kv_transfer_config_parse(
               "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_producer\","
@@ -89,9 +94,6 @@ static void config_bad(void) {
          "transport"},
         {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
          "config\":{\"proxy_port\":\"x\"}}",
-         "proxy_port"},
-        {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
-         "config\":{\"proxy_ip\":\"1.2.3.4\"}}",
          "proxy_port"},
         {"{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_"
          "config\":{\"timeout_s\":0}}",
