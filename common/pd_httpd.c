@@ -35,7 +35,7 @@ int pd_httpd_start(pd_httpd *h, const char *host, int port, unsigned idle_timeou
         if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     }
     struct MHD_OptionItem opts[] = {
-        {MHD_OPTION_NOTIFY_COMPLETED, (intptr_t)on_completed, NULL},
+        {MHD_OPTION_NOTIFY_COMPLETED, (intptr_t)on_completed, cls},
         {MHD_OPTION_EXTERNAL_LOGGER, (intptr_t)on_mhd_log, NULL},
         {MHD_OPTION_CONNECTION_TIMEOUT, (intptr_t)idle_timeout_s, NULL},
         {MHD_OPTION_CONNECTION_LIMIT, 4096, NULL},

@@ -44,6 +44,7 @@ bool pd_httpd_client_gone(struct MHD_Connection *conn);
 typedef struct pd_httpd_body {
     pd_buf body;
     bool too_large;
+    bool answering; /* for the owner: set when its handler took the request */
 } pd_httpd_body;
 
 /* Call at the top of an access handler with its con_cls/upload arguments.

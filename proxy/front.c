@@ -164,19 +164,22 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     pd_httpd_body *bs = NULL;
     int got = pd_httpd_body_read(con_cls, upload_data, upload_size, f->ctx.cfg.max_body_bytes, &bs);
     if (got <= 0) return got == 0 ? MHD_YES : MHD_NO;
+    /* Counted until on_completed, when MHD has written the answer's last
+     * byte (a stream's too) or given up: a drain waits for all of it. */
     atomic_fetch_add(&f->ctx.active, 1);
+    bs->answering = true;
     front_reply out = {0};
     dispatch(f, conn, url, method, bs, &out);
-    enum MHD_Result rc = pd_httpd_send(conn, out.status, out.resp, out.close);
-    atomic_fetch_sub(&f->ctx.active, 1); /* after the answer is queued, so a drain waits for it */
-    return rc;
+    return pd_httpd_send(conn, out.status, out.resp, out.close);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
-    (void)cls;
+    front *f = cls;
     (void)conn;
     (void)toe;
+    const pd_httpd_body *bs = con_cls ? *con_cls : NULL;
+    if (bs && bs->answering) atomic_fetch_sub(&f->ctx.active, 1);
     pd_httpd_body_free(con_cls);
 }
 
@@ -215,7 +218,7 @@ void front_quiesce(front *f) {
 }
 
 int front_active(front *f) {
-    return atomic_load(&f->ctx.active) + (int)pxm_in_flight(f->ctx.pm);
+    return atomic_load(&f->ctx.active);
 }
 
 void front_stop(front *f) {
