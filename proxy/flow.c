@@ -352,6 +352,11 @@ static void decode(px_req *r, const char *body, size_t len, const cJSON *root, c
         r->d_failed = true;
         reply_error(r, out, 504, "decode instance %s did not answer within the %.0f s deadline",
                     r->d.http, r->fx->cfg.timeout);
+    } else if (ur == UP_TOO_BIG) { /* D answered; the answer is just too big to buffer */
+        reply_error(r, out, 502,
+                    "decode instance %s answered with more than %u bytes, pdproxy's limit for a "
+                    "whole (not streamed) answer; use stream true",
+                    r->d.http, MAX_ANSWER_BYTES);
     } else if (ur != UP_OK) {
         r->d_failed = true;
         reply_error(r, out, 502, "decode instance %s failed: %s (%s)", r->d.http,

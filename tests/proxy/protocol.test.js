@@ -32,6 +32,10 @@ function fake(name) {
         res.writeHead(502, { 'Content-Type': 'application/json' });
         return res.end(JSON.stringify({ error: { message: 'generation failed: consumer 127.0.0.1:7777 has no room', type: 'BadGatewayError', param: 'kv_transfer_params', code: 502 } }));
       }
+      if (mode === 'huge' && !(rec.json && rec.json.max_tokens === 1)) { // a decode answer over 64 MiB
+        res.writeHead(200, { 'Content-Type': 'application/json' });
+        return res.end(JSON.stringify({ choices: [{ index: 0, text: 'x'.repeat(65 << 20) }] }));
+      }
       if (mode === 'fail503') { // as a draining pdserve answers
         res.writeHead(503, { 'Content-Type': 'application/json' });
         return res.end(JSON.stringify({ error: { message: 'the server is shutting down', type: 'ServiceUnavailableError', param: null, code: 503 } }));
@@ -165,6 +169,17 @@ test('a prefill that could not hand the KV to decode: 502 naming both, no retry,
   assert.ok(h.json.decode.some((d) => d.http_address === dA.addr && d.backoff), h.text);
   assert.ok(h.json.prefill.every((p) => !p.backoff), h.text);
   await sleep(350);
+});
+
+test('a whole decode answer over the 64 MiB limit: 502 saying so, the instance not backed off', async () => {
+  await sleep(350);
+  reset();
+  dA.mode = 'huge';
+  const r = await post(px.url, '/v1/completions', { prompt: 'x' });
+  assert.equal(r.status, 502, r.text.slice(0, 300));
+  assert.match(r.json.error.message, /more than \d+ bytes.*use stream true/);
+  const h = await get(px.url, '/health');
+  assert.ok(h.json.decode.every((d) => !d.backoff), h.text);
 });
 
 test('a body with data after its JSON object is a 400 before any prefill', async () => {
