@@ -441,9 +441,26 @@ static int parse_fields(const cJSON *root, const api_limits *lim, completion_req
     return 0;
 }
 
+/* Whether a JSON text escapes a NUL character (\u0000) in some string:
+ * cJSON's strings end at the first NUL, so the rest would vanish quietly. */
+static bool has_nul_escape(const char *body, size_t len) {
+    for (size_t i = 0; i + 6 <= len; i++) {
+        if (memcmp(body + i, "\\u0000", 6) != 0) continue;
+        size_t n = 0; /* backslashes in a row ending here: odd means an escape */
+        while (n <= i && body[i - n] == '\\')
+            n++;
+        if (n % 2 == 1) return true;
+    }
+    return false;
+}
+
 int completion_request_parse(const char *body, size_t len, const api_limits *lim,
                              completion_request *req, api_error *e) {
     memset(req, 0, sizeof *req);
+    if (has_nul_escape(body, len))
+        return api_fail(e, 400, NULL,
+                        "the request has a NUL character (\\u0000) in a string, which pdserve "
+                        "does not take");
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!root) {

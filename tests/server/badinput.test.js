@@ -89,6 +89,7 @@ const corpus = [
   ['seed string', json({ prompt: 'x', seed: 'abc' })],
   ['seed too big', json({ prompt: 'x', seed: 1e40 })],
   ['seed 2^63', '{"prompt": "x", "seed": 9223372036854775808}'],
+  ['NUL character in the prompt', '{"prompt": "a\\u0000b"}'],
   ['stream_options include_usage number', json({ prompt: 'x', stream: true, stream_options: { include_usage: 3 } })],
   ['model number', json({ prompt: 'x', model: 3 })],
   ['unknown model', json({ prompt: 'x', model: 'gpt-5' }), 404],
@@ -108,6 +109,14 @@ test(`bad-input corpus (${corpus.length} requests) gets 4xx JSON errors`, async 
     assert.ok(isErrorShape(r.json, want), `${what}: error JSON ${r.text.slice(0, 200)}`);
   }
   assert.equal((await get(A, '/health')).status, 200);
+});
+
+test('a NUL character is refused, an escaped backslash before u0000 is not', async () => {
+  const r = await post(A, '/v1/completions', '{"prompt": "a\\u0000b"}', { raw: true });
+  assert.equal(r.status, 400);
+  assert.match(r.json.error.message, /NUL character/);
+  const ok = await post(A, '/v1/completions', '{"prompt": "a\\\\u0000b", "max_tokens": 1}', { raw: true });
+  assert.equal(ok.status, 200, ok.text);
 });
 
 test('an error inside stream_options names the field once, readably', async () => {
