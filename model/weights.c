@@ -129,6 +129,20 @@ int opt_weights_bind(const opt_config *c, const checkpoint *ck, opt_weights *w, 
         }
     }
 
+    /* The last layer first: a config that claims more layers than the
+     * checkpoint has is told so by name, before a table is sized for it. */
+    if (c->num_hidden_layers < 1)
+        return pd_fail(err, "config.json has num_hidden_layers %d", c->num_hidden_layers);
+    {
+        char last[96];
+        snprintf(last, sizeof last, "decoder.layers.%d.self_attn.q_proj.weight",
+                 c->num_hidden_layers - 1);
+        if (!checkpoint_find(ck, last))
+            return pd_fail(err,
+                           "config.json has num_hidden_layers %d, but the checkpoint has no %s "
+                           "(also tried with \"model.\")",
+                           c->num_hidden_layers, last);
+    }
     w->layers = calloc((size_t)c->num_hidden_layers, sizeof *w->layers);
     if (!w->layers) return pd_fail(err, "out of memory");
     w->num_layers = c->num_hidden_layers;

@@ -54,6 +54,12 @@ expect_rc 0 "-h is --help" "$bin" serve -h
 grep -q '^usage: pdserve serve' "$tmp/out" && ok || bad "serve -h: $(head -c 200 "$tmp/out")"
 expect_rc 2 "MODEL taken by --served-model-name" "$bin" serve --port 0 --served-model-name x "$tmp/m"
 grep -q -- "--served-model-name took '$tmp/m' as a name" "$tmp/err" && ok || bad "served-model-name message: $(cat "$tmp/err")"
+# A config that claims more layers than the checkpoint has: named, not "out of memory".
+cp -r "$tmp/m" "$tmp/mlayers"
+sed -i 's/"num_hidden_layers":[[:space:]]*[0-9][0-9]*/"num_hidden_layers": 2000000000/' "$tmp/mlayers/config.json"
+expect_rc 1 "more layers than the checkpoint" "$bin" generate "$tmp/mlayers" --prompt x --max-tokens 1
+grep -q 'num_hidden_layers 2000000000, but the checkpoint has no decoder.layers.1999999999' "$tmp/err" && ok ||
+  bad "layers message: $(cat "$tmp/err")"
 expect_rc 2 "kv_buffer_size too big" "$bin" serve "$tmp/m" --port 0 \
   --kv-transfer-config '{"kv_connector":"P2pNcclConnector","kv_role":"kv_producer","kv_buffer_size":1e30}'
 grep -q 'kv_buffer_size must be a byte count' "$tmp/err" && ok || bad "kv_buffer_size message: $(cat "$tmp/err")"
