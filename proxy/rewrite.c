@@ -135,15 +135,22 @@ char *rewrite_error_json(int status, const char *message, size_t *len) {
     return error_json(status, rewrite_error_type(status), message, NULL, len);
 }
 
+/* The parts of a parsed OpenAI error body ({"error":{"message",..}} or
+ * {"error":".."}): its message text (NULL when it is no such error), and
+ * its type and param items (NULL when absent). */
+static const char *error_parts(const cJSON *root, const cJSON **type, const cJSON **param) {
+    const cJSON *e = root ? cJSON_GetObjectItemCaseSensitive(root, "error") : NULL;
+    const cJSON *msg = e ? cJSON_GetObjectItemCaseSensitive(e, "message") : NULL;
+    *type = e ? cJSON_GetObjectItemCaseSensitive(e, "type") : NULL;
+    *param = e ? cJSON_GetObjectItemCaseSensitive(e, "param") : NULL;
+    return cJSON_IsString(msg) ? msg->valuestring : cJSON_IsString(e) ? e->valuestring : NULL;
+}
+
 int rewrite_error_message(const char *body, size_t len, char *out, size_t cap, char *param,
                           size_t pcap) {
     cJSON *root = body ? cJSON_ParseWithLength(body, len) : NULL;
-    const cJSON *e = root ? cJSON_GetObjectItemCaseSensitive(root, "error") : NULL;
-    const cJSON *msg = e ? cJSON_GetObjectItemCaseSensitive(e, "message") : NULL;
-    const cJSON *par = e ? cJSON_GetObjectItemCaseSensitive(e, "param") : NULL;
-    const char *text = cJSON_IsString(msg) ? msg->valuestring
-                       : cJSON_IsString(e) ? e->valuestring
-                                           : NULL;
+    const cJSON *type, *par;
+    const char *text = error_parts(root, &type, &par);
     if (text) snprintf(out, cap, "%s", text);
     if (pcap) snprintf(param, pcap, "%s", cJSON_IsString(par) ? par->valuestring : "");
     cJSON_Delete(root);
@@ -153,16 +160,12 @@ int rewrite_error_message(const char *body, size_t len, char *out, size_t cap, c
 char *rewrite_upstream_error(const char *body, size_t len, int status, const char *who,
                              size_t *out_len) {
     cJSON *root = cJSON_ParseWithLength(body, len);
-    const cJSON *e = root ? cJSON_GetObjectItemCaseSensitive(root, "error") : NULL;
-    const cJSON *msg = e ? cJSON_GetObjectItemCaseSensitive(e, "message") : NULL;
-    const cJSON *type = e ? cJSON_GetObjectItemCaseSensitive(e, "type") : NULL;
-    const cJSON *param = e ? cJSON_GetObjectItemCaseSensitive(e, "param") : NULL;
+    const cJSON *type, *param;
+    const char *said = error_parts(root, &type, &param);
     pd_buf m;
     pd_buf_init(&m);
-    if (cJSON_IsString(msg))
-        pd_buf_printf(&m, "%s: %s", who, msg->valuestring);
-    else if (cJSON_IsString(e))
-        pd_buf_printf(&m, "%s: %s", who, e->valuestring);
+    if (said)
+        pd_buf_printf(&m, "%s: %s", who, said);
     else
         pd_buf_printf(&m, "%s answered HTTP %d", who, status);
     char *text = pd_buf_take(&m, NULL);

@@ -8,17 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Compare a flag name from the command line with a declared name, treating
- * '_' and '-' as the same character. */
-static int name_matches(const char *given, size_t len, const char *declared) {
-    size_t i = 0;
-    for (; i < len && declared[i]; i++) {
-        char a = given[i] == '_' ? '-' : given[i];
-        if (a != declared[i]) return 0;
-    }
-    return i == len && declared[i] == 0;
-}
-
 static int set_value(const cli_option *o, void *dst, const char *text, pd_err *err) {
     char *field = (char *)dst + o->offset;
     char *end = NULL;
@@ -70,6 +59,12 @@ static int name_begins(const char *given, size_t len, const char *declared) {
         if (a != declared[i]) return 0;
     }
     return i == len;
+}
+
+/* Compare a flag name from the command line with a declared name, treating
+ * '_' and '-' as the same character. */
+static int name_matches(const char *given, size_t len, const char *declared) {
+    return name_begins(given, len, declared) && declared[len] == 0;
 }
 
 /* The option an argument "--name[=value]" or "--no-name" names, or -1.

@@ -410,15 +410,14 @@ static int run_submit(comp_run *r, api_error *e) {
     if (p.kv.present && engine_connector(r->ctx->eng) && (p.kv.do_remote_decode || p.kv.do_remote_prefill) &&
         !p.kv.remote_kv_addr[0])
         return api_fail(e, 400, "kv_transfer_params", "kv_transfer_params.remote_kv_addr is required");
-    if (p.kv.present && p.kv.do_remote_decode && q->stream && engine_connector(r->ctx->eng) &&
-        kv_connector_is_producer(engine_connector(r->ctx->eng)))
+    r->kv_send = p.kv.present && p.kv.do_remote_decode && engine_connector(r->ctx->eng) &&
+                 kv_connector_is_producer(engine_connector(r->ctx->eng));
+    if (r->kv_send && q->stream)
         /* The decode instance needs this response's kv_transfer_params,
          * which only a whole (not streamed) answer carries. */
         return api_fail(e, 400, "stream",
                         "a prefill request (kv_transfer_params.do_remote_decode) needs stream "
                         "false: its response carries the kv_transfer_params for the decode side");
-    r->kv_send = p.kv.present && p.kv.do_remote_decode && engine_connector(r->ctx->eng) &&
-                 kv_connector_is_producer(engine_connector(r->ctx->eng));
     if (p.kv.present && r->n_ch > 1 && engine_connector(r->ctx->eng))
         return api_fail(e, 400, "kv_transfer_params",
                         "kv_transfer_params needs a single prompt and n=1 (got %d choices)", r->n_ch);

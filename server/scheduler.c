@@ -342,14 +342,14 @@ int scheduler_schedule(scheduler *s, sched_batch *b) {
             }
             int pending = seq->n_tokens - seq->n_computed;
             n_new = pending < budget ? pending : budget;
-            bool got;
             /* Blocks held for remote KV not written yet go to a request
              * that can run now (as they do to a running one). */
-            while (!(got = kv_table_reserve(s->pool, &seq->blocks, seq->n_computed + n_new, &err) ==
-                           0) &&
+            int rc;
+            while ((rc = kv_table_reserve(s->pool, &seq->blocks, seq->n_computed + n_new, &err)) !=
+                       0 &&
                    return_reservation(s)) {
             }
-            if (!got) {
+            if (rc != 0) {
                 kv_table_release(s->pool, &seq->blocks); /* give back the matched prefix too */
                 seq->n_computed = 0;
                 blocked = true; /* waits for running sequences to finish */

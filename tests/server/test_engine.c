@@ -105,25 +105,35 @@ static int same_outputs(const req *a, const req *b, int n) {
  * deadline with a 504 and its blocks come back. 20 blocks of 16 tokens: the
  * waiting request holds 6 (96 tokens); two local requests grow to 116
  * tokens, 8 blocks each, 16 > the 14 left. */
-static void reservation_returned(void) {
-    /* As a user writes it for a decode instance; then any free port. */
-    kv_transfer_config kvc;
+/* An engine with a KV connector in role, configured as a user writes it
+ * (PUT_ASYNC over tcp) and then put on any free port; max_model_len 256
+ * (16 blocks: a pool of 20 holds one whole sequence). num_blocks 0: sized
+ * as usual. kvc must outlive the engine. NULL on failure (reported). */
+static engine *start_kv(const char *role, int timeout_s, int num_blocks, kv_transfer_config *kvc) {
+    char js[320];
+    snprintf(js, sizeof js,
+             "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"%s\","
+             "\"kv_ip\":\"127.0.0.1\",\"kv_connector_extra_config\":"
+             "{\"send_type\":\"PUT_ASYNC\",\"timeout_s\":%d}}",
+             role, timeout_s);
     pd_err err = {{0}};
-    CHECKF(kv_transfer_config_parse(
-               "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"kv_consumer\","
-               "\"kv_ip\":\"127.0.0.1\",\"kv_connector_extra_config\":"
-               "{\"send_type\":\"PUT_ASYNC\",\"timeout_s\":4}}",
-               &kvc, &err) == 0,
-           "%s", err.msg);
-    kvc.kv_port = 0;
+    CHECKF(kv_transfer_config_parse(js, kvc, &err) == 0, "%s", err.msg);
+    kvc->kv_port = 0;
     engine_config c;
     engine_config_default(&c);
     c.model_dir = model_dir;
-    c.num_blocks_override = 20;
-    c.max_model_len = 256; /* 16 blocks: the pool holds one whole sequence */
-    c.kv_transfer = &kvc;
+    c.num_blocks_override = num_blocks;
+    c.max_model_len = 256;
+    c.kv_transfer = kvc;
     engine *e = NULL;
     CHECKF(engine_create(&c, &e, &err) == 0, "%s", err.msg);
+    return e;
+}
+
+static void reservation_returned(void) {
+    kv_transfer_config kvc;
+    pd_err err = {{0}};
+    engine *e = start_kv("kv_consumer", 4, 20, &kvc);
     if (!e) return;
 
     int32_t prompt[96];
@@ -191,25 +201,9 @@ static void ready_remote_not_held_up(void) {
     pd_err err = {{0}};
     engine *eng[2] = {NULL, NULL}; /* 0: the decode instance, 1: the prefill one */
     engine_seq *pre = NULL, *q = NULL, *plain = NULL, *r = NULL;
-    const char *roles[2] = {"kv_consumer", "kv_producer"};
-    for (int i = 0; i < 2; i++) {
-        char js[320];
-        snprintf(js, sizeof js,
-                 "{\"kv_connector\":\"P2pNcclConnector\",\"kv_role\":\"%s\","
-                 "\"kv_ip\":\"127.0.0.1\",\"kv_connector_extra_config\":"
-                 "{\"send_type\":\"PUT_ASYNC\",\"timeout_s\":6}}",
-                 roles[i]);
-        CHECKF(kv_transfer_config_parse(js, &kvc[i], &err) == 0, "%s", err.msg);
-        kvc[i].kv_port = 0;
-        engine_config c;
-        engine_config_default(&c);
-        c.model_dir = model_dir;
-        c.num_blocks_override = i == 0 ? 20 : 0;
-        c.max_model_len = 256;
-        c.kv_transfer = &kvc[i];
-        CHECKF(engine_create(&c, &eng[i], &err) == 0, "%s", err.msg);
-        if (!eng[i]) goto out;
-    }
+    eng[0] = start_kv("kv_consumer", 6, 20, &kvc[0]);
+    eng[1] = eng[0] ? start_kv("kv_producer", 6, 0, &kvc[1]) : NULL;
+    if (!eng[1]) goto out;
     int32_t prompt[240];
     for (int i = 0; i < 240; i++)
         prompt[i] = i ? 1000 + i : 2;
