@@ -340,9 +340,6 @@ static void on_get_ok(p2p_engine *e, p2p_peer *p, p2p_op *op, const p2p_reply *r
     if (e->cfg.transport == P2P_NCCL) {
         pd_err err;
         op->state = OPS_RECVING;
-        /* The producer's side is up, so ours is too (joining is collective); our poll may lag. */
-        if (p->comm && !p->comm_ready && p2p_nccl_comm_poll(p->comm, &err) == 1)
-            p->comm_ready = true;
         if (r->meta.nbytes > 0 && op->asked_comm_gen != p->comm_gen) {
             /* Its ncclSend went over the communicator we had when we asked,
              * since replaced (the producer drops it on our NEW): nothing
@@ -353,11 +350,12 @@ static void on_get_ok(p2p_engine *e, p2p_peer *p, p2p_op *op, const p2p_reply *r
         }
         if (r->meta.nbytes > 0) {
             op->dev_buf = p2p_nccl_alloc(e->dev_mem, r->meta.nbytes, &err);
-            if (!op->dev_buf || !p->comm_ready ||
+            /* Our side of the join may still be completing: the receive
+             * then waits in the communicator's queue until it is. */
+            if (!op->dev_buf || !p->comm ||
                 p2p_nccl_recv(p->comm, op->dev_buf, r->meta.nbytes, &op->nop, &err) != 0) {
-                if (!p->comm_ready)
-                    pd_fail(&err, "NCCL communicator with %s not ready for GET %s", p->addr,
-                            op->id);
+                if (op->dev_buf && !p->comm)
+                    pd_fail(&err, "no NCCL communicator with %s for GET %s", p->addr, op->id);
                 p2p_client_comm_reset(e, p->addr,
                                       err.msg); /* the producer's ncclSend has no partner now */
                 p2p_op_finish(e, op, false, "%s", err.msg);

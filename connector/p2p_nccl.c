@@ -41,6 +41,7 @@ struct p2p_nccl_comm {
     int rank, device;
     p2p_nccl_op *ops;       /* every transfer not yet freed, in posting order */
     p2p_nccl_op *enqueuing; /* the call NCCL is still completing (ncclInProgress) */
+    bool joined;            /* ncclCommInitRankConfig has completed here */
 };
 
 static int cuda_fail(pd_err *err, const char *what, cudaError_t rc) {
@@ -126,6 +127,19 @@ static void op_fail(p2p_nccl_op *op, const char *msg) {
 /* Launches posted transfers in order, one NCCL call in progress at a time. */
 static void comm_pump(p2p_nccl_comm *c) {
     pd_err err;
+    if (!c->joined) {
+        /* Transfers may be posted while the join is still completing here:
+         * the peer finishes first and its DATA or GET answer arrives while
+         * our side still says in progress. They wait, in order, for it. */
+        int st = comm_state(c, &err);
+        if (st == 0) return;
+        if (st < 0) {
+            for (p2p_nccl_op *op = c->ops; op; op = op->next)
+                if (!op->posted) op->posted = true, op_fail(op, err.msg);
+            return;
+        }
+        c->joined = true;
+    }
     if (c->enqueuing) {
         int st = comm_state(c, &err);
         if (st == 0) return;

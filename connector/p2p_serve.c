@@ -280,15 +280,18 @@ static void on_data(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len,
     if (e->cfg.transport == P2P_NCCL) {
         rx->state = RX_RECVING;
         if (m.nbytes == 0) return; /* p2p_serve_poll_nccl completes it */
-        if (!comm_ready(e, ip) ||
-            p2p_nccl_recv(ip->comm, rx->dev_buf, m.nbytes, &rx->nop, &err) != 0) {
-            if (!ip->comm)
-                pd_fail(&err, "no NCCL communicator from %s for DATA %s (torn down here)", who,
-                        m.tensor_id);
-            else if (!ip->comm_ready)
-                pd_fail(&err, "NCCL communicator from %s not ready for DATA %s", who, m.tensor_id);
+        if (!ip->comm) {
+            pd_fail(&err, "no NCCL communicator from %s for DATA %s (torn down here)", who,
+                    m.tensor_id);
+            rx_abandon(e, rx, err.msg);
+            return;
+        }
+        /* Our side of the join may still be completing (the producer's is
+         * done, or it would not send): the receive then waits in the
+         * communicator's queue, in order, until it is. */
+        if (p2p_nccl_recv(ip->comm, rx->dev_buf, m.nbytes, &rx->nop, &err) != 0) {
             p2p_serve_comm_reset(e, who, err.msg); /* abandons rx, with the others on it */
-            if (rx->state == RX_RECVING) rx_abandon(e, rx, err.msg); /* there was none */
+            if (rx->state == RX_RECVING) rx_abandon(e, rx, err.msg);
         }
         return;
     }

@@ -327,6 +327,11 @@ test('no live instance is a 503; a dead static decode is a 502 naming it; front 
   assert.ok(isErrorShape(r.json, 400));
   assert.equal((await get(dead.url, '/v1/completions')).status, 405);
   assert.equal((await get(dead.url, '/nope')).status, 404);
+  // Each completion request counts once by its final status, also those
+  // refused before the flow (405); other paths are not client requests.
+  const m = await metrics(dead.url);
+  for (const [code, n] of [[502, 1], [400, 1], [405, 1], [404, 0]])
+    assert.equal(m.sum('pdproxy_requests_total', `status="${code}"`), n, `status ${code}`);
   await dead.stop();
 });
 
@@ -342,5 +347,8 @@ test('--api-key guards /v1 on the front and is not passed on', async () => {
   assert.equal(r.status, 200, r.text);
   assert.equal(pA.got[0].headers.authorization, undefined);
   assert.equal((await get(k.url, '/health')).status, 200);
+  const m = await metrics(k.url);
+  assert.equal(m.sum('pdproxy_requests_total', 'status="401"'), 2);
+  assert.equal(m.sum('pdproxy_requests_total', 'status="200"'), 1);
   await k.stop();
 });
