@@ -25,6 +25,7 @@ int main(void) {
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "connector/p2p_nccl.h"
 #include "model/backend.h"
 #include "tests/connector/p2p_test_util.h"
 
@@ -474,6 +475,137 @@ static void one_gpu_pair(const char *self) {
     cudaStreamDestroy(w.stream);
 }
 
+/* The join race, on the data plane itself: the two sides of a join do not
+ * finish together, and the sender sends once its side is up, so the
+ * receiver's first ncclRecv can come while its own side still says "in
+ * progress". The child posts its receive right after starting to join,
+ * long before the parent has even begun; the receive must wait for the
+ * join and then get the bytes (it used to tear the communicator down). */
+#define JOIN_BYTES (4 * MB + 5)
+
+static int join_child_main(int rfd, int wfd) {
+    char hex[2 * P2P_NCCL_UID_BYTES + 8];
+    uint8_t uid[P2P_NCCL_UID_BYTES];
+    if (!read_line(rfd, hex, sizeof hex) || strlen(hex) != 2 * P2P_NCCL_UID_BYTES) return 3;
+    for (int i = 0; i < P2P_NCCL_UID_BYTES; i++) {
+        unsigned v = 0;
+        if (sscanf(hex + 2 * i, "%2x", &v) != 1) return 3;
+        uid[i] = (uint8_t)v;
+    }
+    pd_err err;
+    void *buf = NULL;
+    p2p_nccl_comm *c = NULL;
+    p2p_nccl_op *op = NULL;
+    const char *why = "ok";
+    int joining = -1, rc = -1;
+    if (p2p_nccl_use_device(0, &err) != 0 || cudaMalloc(&buf, JOIN_BYTES) != cudaSuccess ||
+        cudaMemset(buf, 0, JOIN_BYTES) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+        why = "no device buffer";
+    } else if (p2p_nccl_comm_start(uid, 1, 0, 0, &c, &err) != 0) {
+        why = err.msg;
+    } else {
+        joining = p2p_nccl_comm_poll(c, &err) == 0;
+        if (p2p_nccl_recv(c, buf, JOIN_BYTES, &op, &err) != 0) {
+            why = err.msg;
+        } else {
+            /* The parent starts its side only after reading "posted". */
+            if (write(wfd, "posted\n", 7) != 7) return 4;
+            double end = pd_now() + 60;
+            while ((rc = p2p_nccl_op_poll(op, &err)) == 0 && pd_now() < end)
+                usleep(200);
+            if (rc < 0) why = err.msg;
+            if (rc == 0) why = "nothing arrived within 60 s";
+        }
+    }
+    bool right = false;
+    if (rc == 1) {
+        unsigned char *h = malloc(JOIN_BYTES);
+        right = h && cudaMemcpy(h, buf, JOIN_BYTES, cudaMemcpyDeviceToHost) == cudaSuccess;
+        for (size_t i = 0; right && i < JOIN_BYTES; i++)
+            right = h[i] == (unsigned char)(0x5a ^ (i % 251));
+        free(h);
+        if (!right) why = "wrong bytes";
+    }
+    char line[sizeof(pd_err) + 64];
+    int n = snprintf(line, sizeof line, "%s %d %s\n", right ? "right" : "bad", joining, why);
+    if (write(wfd, line, (size_t)n) != n) right = false;
+    p2p_nccl_op_free(op);
+    p2p_nccl_comm_destroy(c);
+    cudaFree(buf);
+    return right ? 0 : 1;
+}
+
+static bool fill_pattern(void *d, size_t n) {
+    unsigned char *h = malloc(n);
+    if (!h) return false;
+    for (size_t i = 0; i < n; i++)
+        h[i] = (unsigned char)(0x5a ^ (i % 251));
+    bool ok = cudaMemcpy(d, h, n, cudaMemcpyHostToDevice) == cudaSuccess;
+    free(h);
+    return ok;
+}
+
+static void join_race(const char *self) {
+    int down[2], up[2];
+    CHECK(pipe(down) == 0 && pipe(up) == 0);
+    char fds[32];
+    snprintf(fds, sizeof fds, "%d,%d", down[0], up[1]);
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        setenv("P2P_NCCL_JOIN_FDS", fds, 1);
+        setenv("NCCL_HOSTID", "pdserve-test-join", 1);
+        execl(self, "test_p2p_nccl (join)", (char *)NULL);
+        _exit(127);
+    }
+    close(down[0]);
+    close(up[1]);
+    CHECK(pid > 0);
+    pd_err err;
+    uint8_t uid[P2P_NCCL_UID_BYTES];
+    char line[sizeof(pd_err) + 64];
+    bool sent = false;
+    p2p_nccl_comm *c = NULL;
+    void *buf = NULL;
+    if (pid > 0 && p2p_nccl_unique_id(uid, &err) == 0) {
+        char hex[2 * P2P_NCCL_UID_BYTES + 2];
+        for (int i = 0; i < P2P_NCCL_UID_BYTES; i++)
+            snprintf(hex + 2 * i, 3, "%02x", uid[i]);
+        strcat(hex, "\n");
+        bool posted = write(down[1], hex, strlen(hex)) == (ssize_t)strlen(hex) &&
+                      read_line(up[0], line, sizeof line) && !strcmp(line, "posted");
+        CHECKF(posted, "the joining process did not post its receive");
+        if (posted && cudaMalloc(&buf, JOIN_BYTES) == cudaSuccess &&
+            fill_pattern(buf, JOIN_BYTES) && p2p_nccl_comm_start(uid, 0, 0, 0, &c, &err) == 0) {
+            int rc = 0;
+            double end = pd_now() + 60;
+            while ((rc = p2p_nccl_comm_poll(c, &err)) == 0 && pd_now() < end)
+                usleep(200);
+            p2p_nccl_op *op = NULL;
+            if (rc == 1 && p2p_nccl_send(c, buf, JOIN_BYTES, NULL, &op, &err) == 0) {
+                while ((rc = p2p_nccl_op_poll(op, &err)) == 0 && pd_now() < end)
+                    usleep(200);
+                sent = rc == 1;
+            }
+            CHECKF(sent, "join race: the send failed: %s", rc < 0 ? err.msg : "timed out");
+            p2p_nccl_op_free(op);
+        }
+    }
+    bool answered = pid > 0 && read_line(up[0], line, sizeof line);
+    CHECKF(answered && !strncmp(line, "right", 5), "join race: receiver says '%s'",
+           answered ? line : "(nothing)");
+    if (answered) printf("join race: receiver posted while joining (1 = yes): %s\n", line + 6);
+    close(down[1]);
+    int status = 0;
+    if (pid > 0 && !answered) kill(pid, SIGKILL);
+    if (pid > 0) waitpid(pid, &status, 0);
+    CHECKF(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+           "joining process: exit status %d", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    close(up[0]);
+    p2p_nccl_comm_destroy(c);
+    cudaFree(buf);
+}
+
 int main(void) {
     int n = 0;
     if (getenv("P2P_TEST_DEBUG")) pd_log_set_level(PD_LOG_DEBUG);
@@ -481,6 +613,8 @@ int main(void) {
     int rfd = -1, wfd = -1;
     if (consumer_fds && sscanf(consumer_fds, "%d,%d", &rfd, &wfd) == 2)
         return consumer_main(rfd, wfd);
+    const char *join_fds = getenv("P2P_NCCL_JOIN_FDS");
+    if (join_fds && sscanf(join_fds, "%d,%d", &rfd, &wfd) == 2) return join_child_main(rfd, wfd);
     if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
         printf("no GPU: skipped\n");
         return 0;
@@ -493,6 +627,7 @@ int main(void) {
         setenv("NCCL_HOSTID", "pdserve-test-producer", 1);
         setenv("NCCL_SOCKET_IFNAME", "lo", 1);
         single_gpu();
+        join_race("/proc/self/exe");
         one_gpu_pair("/proc/self/exe");
         printf("1 CUDA device: transfers ran between two processes (two NCCL hosts on one GPU)\n");
         return test_finish();
