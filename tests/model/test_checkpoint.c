@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "model/checkpoint.h"
@@ -281,6 +282,15 @@ static void test_sharded(void) {
              "{\"weight_map\":{\"decoder.a\":\"model-00001-of-00002.safetensors\","
              "\"decoder.b\":\"model-00009-of-00009.safetensors\"}}");
     expect_fail("missing shard", dir, "model-00009-of-00009.safetensors, which does not exist");
+    /* There, but not a file (a folder here; /dev/zero is the same case). */
+    char *folder = pd_path_join(dir, "model-00008-of-00009.safetensors");
+    CHECK(folder && mkdir(folder, 0755) == 0);
+    put_text(dir, "model.safetensors.index.json",
+             "{\"weight_map\":{\"decoder.a\":\"model-00001-of-00002.safetensors\","
+             "\"decoder.b\":\"model-00008-of-00009.safetensors\"}}");
+    expect_fail("shard not a file", dir, "model-00008-of-00009.safetensors is not a regular file");
+    if (folder) rmdir(folder);
+    free(folder);
     put_text(dir, "model.safetensors.index.json",
              "{\"weight_map\":{\"decoder.a\":\"model-00001-of-00002.safetensors\","
              "\"decoder.c\":\"model-00002-of-00002.safetensors\"}}");
