@@ -386,10 +386,11 @@ static int consumer_main(int rfd, int wfd) {
     return bad ? 1 : 0;
 }
 
-/* The parent: starts the consumer (this program again, with its own
- * NCCL_HOSTID) and sends it the plan from a producer engine whose ready
- * events are recorded on a slow writer's stream. */
-static void one_gpu_pair(const char *self) {
+/* Runs this program again as a child that talks over two pipes (their
+ * numbers in fds_env), as another NCCL host (host_id), so NCCL lets it have
+ * a rank on the same GPU. down: parent to child; up: child to parent. */
+static pid_t spawn_self(const char *self, const char *fds_env, const char *host_id, int *down_w,
+                        int *up_r) {
     int down[2], up[2];
     CHECK(pipe(down) == 0 && pipe(up) == 0);
     char fds[32];
@@ -397,14 +398,26 @@ static void one_gpu_pair(const char *self) {
     pid_t pid = fork();
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a parent killed by a timeout */
-        setenv("P2P_NCCL_CONSUMER_FDS", fds, 1);
-        setenv("NCCL_HOSTID", "pdserve-test-consumer", 1);
-        execl(self, "test_p2p_nccl (consumer)", (char *)NULL);
+        setenv(fds_env, fds, 1);
+        setenv("NCCL_HOSTID", host_id, 1);
+        execl(self, "test_p2p_nccl (child)", (char *)NULL);
         _exit(127);
     }
     close(down[0]);
     close(up[1]);
     CHECK(pid > 0);
+    *down_w = down[1];
+    *up_r = up[0];
+    return pid;
+}
+
+/* The parent: starts the consumer (this program again, with its own
+ * NCCL_HOSTID) and sends it the plan from a producer engine whose ready
+ * events are recorded on a slow writer's stream. */
+static void one_gpu_pair(const char *self) {
+    int down[2], up[2];
+    pid_t pid =
+        spawn_self(self, "P2P_NCCL_CONSUMER_FDS", "pdserve-test-consumer", &down[1], &up[0]);
     char peer[128];
     bool started = pid > 0 && read_line(up[0], peer, sizeof peer);
     CHECKF(started, "the consumer process did not start");
@@ -547,20 +560,7 @@ static bool fill_pattern(void *d, size_t n) {
 
 static void join_race(const char *self) {
     int down[2], up[2];
-    CHECK(pipe(down) == 0 && pipe(up) == 0);
-    char fds[32];
-    snprintf(fds, sizeof fds, "%d,%d", down[0], up[1]);
-    pid_t pid = fork();
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        setenv("P2P_NCCL_JOIN_FDS", fds, 1);
-        setenv("NCCL_HOSTID", "pdserve-test-join", 1);
-        execl(self, "test_p2p_nccl (join)", (char *)NULL);
-        _exit(127);
-    }
-    close(down[0]);
-    close(up[1]);
-    CHECK(pid > 0);
+    pid_t pid = spawn_self(self, "P2P_NCCL_JOIN_FDS", "pdserve-test-join", &down[1], &up[0]);
     pd_err err;
     uint8_t uid[P2P_NCCL_UID_BYTES];
     char line[sizeof(pd_err) + 64];
