@@ -4,6 +4,7 @@
 'use strict';
 const { spawn } = require('node:child_process');
 const fs = require('node:fs');
+const { after } = require('node:test');
 const http = require('../common/http');
 
 const { waitFor } = http;
@@ -36,11 +37,22 @@ function completionOf(r, streamed) {
   return { text, finish };
 }
 
+// Every process a suite starts, killed when the run ends: a test that fails
+// before its own stop() would otherwise leave a live child, and node would
+// wait for it until ctest's timeout instead of reporting the failure.
+const live = new Set();
+function track(proc) {
+  live.add(proc);
+  proc.once('exit', () => live.delete(proc));
+  return proc;
+}
+after(() => { for (const p of live) p.kill('SIGKILL'); });
+
 // Start a pdproxy with extra flags on a free port; resolves to { url, proc, log }.
 async function startProxy(args, name) {
   const log = `${env.tmp}/${name}.log`;
   const out = fs.openSync(log, 'w');
-  const proc = spawn(env.proxyBin, ['--host', '127.0.0.1', '--port', '0', ...args], { stdio: ['ignore', out, out] });
+  const proc = track(spawn(env.proxyBin, ['--host', '127.0.0.1', '--port', '0', ...args], { stdio: ['ignore', out, out] }));
   let url = null;
   await waitFor(() => {
     const m = /pdproxy on http:\/\/[^:]+:(\d+) /.exec(fs.readFileSync(log, 'utf8'));
@@ -66,9 +78,9 @@ function startInstance(name, role, dport, httpPort, kvPort) {
     kv_connector_extra_config: { proxy_ip: '127.0.0.1', proxy_port: String(dport), http_port: String(httpPort) },
   };
   const out = fs.openSync(`${env.tmp}/${name}.log`, 'w');
-  const proc = spawn(env.serveBin, ['serve', env.modelDir, '--host', '127.0.0.1', '--port', String(httpPort),
+  const proc = track(spawn(env.serveBin, ['serve', env.modelDir, '--host', '127.0.0.1', '--port', String(httpPort),
     '--threads', '1', '--served-model-name', env.model, '--kv-transfer-config', JSON.stringify(cfg)],
-  { stdio: ['ignore', out, out], env: { ...process.env, PDSERVE_ANNOUNCE_INTERVAL_MS: '200' } });
+  { stdio: ['ignore', out, out], env: { ...process.env, PDSERVE_ANNOUNCE_INTERVAL_MS: '200' } }));
   return { proc, http: `127.0.0.1:${httpPort}` };
 }
 
