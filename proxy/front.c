@@ -112,49 +112,43 @@ static bool is_json_type(const char *ct) {
            (ct[n] == 0 || ct[n] == ';' || ct[n] == ' ');
 }
 
-/* A completion request refused before it reaches the flow still counts in
- * pdproxy_requests_total, so a dashboard sees a client sending 401s or
- * 413s; it took no upstream time. */
-static void count_refused(front_ctx *fx, int status) {
-    pxm_begin(fx->pm);
-    pxm_end(fx->pm, status, 0, -1, -1, 0, 0);
-}
-
 static void dispatch(front *f, struct MHD_Connection *conn, const char *url, const char *method,
                      pd_httpd_body *bs, front_reply *out) {
     front_ctx *fx = &f->ctx;
     bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
     bool post = !strcmp(method, "POST");
     bool gen = !strcmp(url, "/v1/completions") || !strcmp(url, "/v1/chat/completions");
+    /* A completion request refused here still counts in
+     * pdproxy_requests_total: a dashboard sees a client sending 401s. */
     if (!authorized(fx, conn, url)) {
-        if (gen) count_refused(fx, 401);
+        if (gen) pxm_refused(fx->pm, 401);
         return front_reply_error(out, 401, "Unauthorized");
     }
     if (gen) {
         if (!post) {
-            count_refused(fx, 405);
+            pxm_refused(fx->pm, 405);
             front_reply_error(out, 405, "Method Not Allowed");
             if (out->resp) MHD_add_response_header(out->resp, "Allow", "POST");
             return;
         }
         if (bs->too_large) {
-            count_refused(fx, 413);
+            pxm_refused(fx->pm, 413);
             return front_reply_error(out, 413, "the request body is larger than %zu bytes",
                                      fx->cfg.max_body_bytes);
         }
         if (!is_json_type(MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Type"))) {
-            count_refused(fx, 400);
+            pxm_refused(fx->pm, 400);
             return front_reply_error(out, 400,
                                      "Unsupported Media Type: Only 'application/json' is allowed");
         }
         if (bs->body.oom) {
-            count_refused(fx, 500);
+            pxm_refused(fx->pm, 500);
             return front_reply_error(out, 500, "out of memory");
         }
         if (atomic_load(&fx->draining)) {
             /* A keep-alive client would otherwise be served on and on until
              * the drain's end cut it off; closing sends it elsewhere. */
-            count_refused(fx, 503);
+            pxm_refused(fx->pm, 503);
             front_reply_error(out, 503, "pdproxy is shutting down");
             if (out->resp) MHD_add_response_header(out->resp, "Connection", "close");
             return;

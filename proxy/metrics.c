@@ -70,6 +70,13 @@ void pxm_end(proxy_metrics *m, int status, double total, double ttft, double pre
     pthread_mutex_unlock(&m->mu);
 }
 
+void pxm_refused(proxy_metrics *m, int status) {
+    pthread_mutex_lock(&m->mu);
+    if (status < 0 || status >= PXM_MAX_STATUS) status = 0;
+    m->by_status[status]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
 void pxm_render(proxy_metrics *m, pd_buf *b) {
     pthread_mutex_lock(&m->mu);
     pd_buf_puts(b, "# HELP pdproxy_requests_total Client requests by final status "

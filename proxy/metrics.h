@@ -38,6 +38,9 @@ void pxm_begin(proxy_metrics *m);
 /* One finished request. ttft/prefill < 0: not reached. */
 void pxm_end(proxy_metrics *m, int status, double total, double ttft, double prefill,
              double overhead, int retries);
+/* A request refused before it was served (401, 413, ...): counted by
+ * status only, so the latency histograms describe served requests. */
+void pxm_refused(proxy_metrics *m, int status);
 void pxm_render(proxy_metrics *m, pd_buf *b);
 uint64_t pxm_in_flight(proxy_metrics *m);
 
