@@ -332,6 +332,7 @@ test('no live instance is a 503; a dead static decode is a 502 naming it; front 
   const m = await metrics(dead.url);
   for (const [code, n] of [[502, 1], [400, 1], [405, 1], [404, 0]])
     assert.equal(m.sum('pdproxy_requests_total', `status="${code}"`), n, `status ${code}`);
+  assert.equal(m.sum('pdproxy_request_duration_seconds_count'), 2); // the 405 was not served
   await dead.stop();
 });
 
