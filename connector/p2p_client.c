@@ -325,6 +325,9 @@ static void on_get_ok(p2p_engine *e, p2p_peer *p, p2p_op *op, const p2p_reply *r
     if (!r->has_meta || !r->meta.dtype[0]) {
         p2p_op_finish(e, op, false, "peer %s answered GET %s without shape/dtype/nbytes", p->addr,
                       op->id);
+        /* Its ncclSend, of a size we were not told, has no receive here. */
+        if (e->cfg.transport == P2P_NCCL)
+            p2p_client_comm_reset(e, p->addr, "GET answered without its size");
         return;
     }
     if (r->meta.nbytes > op->reserved) {

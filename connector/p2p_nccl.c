@@ -42,6 +42,8 @@ struct p2p_nccl_comm {
     p2p_nccl_op *ops;       /* every transfer not yet freed, in posting order */
     p2p_nccl_op *enqueuing; /* the call NCCL is still completing (ncclInProgress) */
     bool joined;            /* ncclCommInitRankConfig has completed here */
+    bool broken;            /* a transfer failed: nothing more is launched (comm_break) */
+    char broken_why[sizeof(pd_err)];
 };
 
 static int cuda_fail(pd_err *err, const char *what, cudaError_t rc) {
@@ -116,7 +118,13 @@ static int comm_state(p2p_nccl_comm *c, pd_err *err) {
 }
 
 int p2p_nccl_comm_poll(p2p_nccl_comm *c, pd_err *err) {
-    return comm_state(c, err);
+    /* Once joined, ncclCommGetAsyncError speaks of the last transfer call
+     * (ncclInProgress while a first send builds its connection): not the
+     * join's business. Transfers report their own errors. */
+    if (c->joined) return 1;
+    int st = comm_state(c, err);
+    if (st == 1) c->joined = true;
+    return st;
 }
 
 static void op_fail(p2p_nccl_op *op, const char *msg) {
@@ -124,21 +132,36 @@ static void op_fail(p2p_nccl_op *op, const char *msg) {
     snprintf(op->error, sizeof op->error, "%s", msg);
 }
 
+/* Stops the communicator's queue: the transfer that failed (if any) and
+ * every one whose NCCL call was not made yet fail, now and when posted
+ * later. Launching the next one instead would let it take the failed
+ * one's place, and the peer's receive would pair with the wrong send. The
+ * owner tears the communicator down when it sees the failure. */
+static void comm_break(p2p_nccl_comm *c, p2p_nccl_op *failed, const char *why) {
+    if (!c->broken) {
+        c->broken = true;
+        snprintf(c->broken_why, sizeof c->broken_why, "%s", why ? why : "NCCL communicator failed");
+    }
+    if (failed) op_fail(failed, why ? why : c->broken_why);
+    for (p2p_nccl_op *op = c->ops; op; op = op->next)
+        if (!op->posted) op->posted = true, op_fail(op, c->broken_why);
+}
+
 /* Launches posted transfers in order, one NCCL call in progress at a time. */
 static void comm_pump(p2p_nccl_comm *c) {
     pd_err err;
-    if (!c->joined) {
-        /* Transfers may be posted while the join is still completing here:
-         * the peer finishes first and its DATA or GET answer arrives while
-         * our side still says in progress. They wait, in order, for it. */
-        int st = comm_state(c, &err);
-        if (st == 0) return;
-        if (st < 0) {
-            for (p2p_nccl_op *op = c->ops; op; op = op->next)
-                if (!op->posted) op->posted = true, op_fail(op, err.msg);
-            return;
-        }
-        c->joined = true;
+    if (c->broken) {
+        comm_break(c, NULL, NULL);
+        return;
+    }
+    /* Transfers may be posted while the join is still completing here: the
+     * peer finishes first and its DATA or GET answer arrives while our side
+     * still says in progress. They wait, in order, for it. */
+    int joined = p2p_nccl_comm_poll(c, &err);
+    if (joined == 0) return;
+    if (joined < 0) {
+        comm_break(c, NULL, err.msg);
+        return;
     }
     if (c->enqueuing) {
         int st = comm_state(c, &err);
@@ -146,14 +169,15 @@ static void comm_pump(p2p_nccl_comm *c) {
         p2p_nccl_op *op = c->enqueuing;
         c->enqueuing = NULL;
         if (st < 0) {
-            op_fail(op, err.msg);
-        } else {
-            cudaError_t crc = cudaEventRecord(op->ev, c->stream);
-            if (crc != cudaSuccess)
-                op_fail(op, cudaGetErrorString(crc));
-            else
-                op->launched = true;
+            comm_break(c, op, err.msg);
+            return;
         }
+        cudaError_t crc = cudaEventRecord(op->ev, c->stream);
+        if (crc != cudaSuccess) {
+            comm_break(c, op, cudaGetErrorString(crc));
+            return;
+        }
+        op->launched = true;
     }
     for (p2p_nccl_op *op = c->ops; op; op = op->next) {
         if (op->posted) continue;
@@ -164,8 +188,8 @@ static void comm_pump(p2p_nccl_comm *c) {
              * send after them on the GPU, not by waiting here. */
             cudaError_t crc = cudaStreamWaitEvent(c->stream, op->ready, 0);
             if (crc != cudaSuccess) {
-                op_fail(op, cudaGetErrorString(crc));
-                continue;
+                comm_break(c, op, cudaGetErrorString(crc));
+                return;
             }
         }
         ncclResult_t rc = op->is_send
@@ -177,14 +201,15 @@ static void comm_pump(p2p_nccl_comm *c) {
         }
         if (rc != ncclSuccess) {
             nccl_fail(&err, op->is_send ? "ncclSend" : "ncclRecv", rc, c->comm);
-            op_fail(op, err.msg);
-            continue;
+            comm_break(c, op, err.msg);
+            return;
         }
         cudaError_t crc = cudaEventRecord(op->ev, c->stream);
-        if (crc != cudaSuccess)
-            op_fail(op, cudaGetErrorString(crc));
-        else
-            op->launched = true;
+        if (crc != cudaSuccess) {
+            comm_break(c, op, cudaGetErrorString(crc));
+            return;
+        }
+        op->launched = true;
     }
 }
 

@@ -30,7 +30,8 @@ int p2p_nccl_unique_id(uint8_t uid[P2P_NCCL_UID_BYTES], pd_err *err);
 /* Starts joining the 2-rank communicator named by uid as rank (0 or 1). */
 int p2p_nccl_comm_start(const uint8_t uid[P2P_NCCL_UID_BYTES], int rank, int device,
                         int num_channels, p2p_nccl_comm **out, pd_err *err);
-/* 1 = ready, 0 = still joining, -1 = failed (err). */
+/* The join: 1 = done, 0 = still joining, -1 = failed (err). Transfers
+ * may be posted before it is done; they start, in order, once it is. */
 int p2p_nccl_comm_poll(p2p_nccl_comm *c, pd_err *err);
 /* Aborts (never waits on a peer) and frees. Ops on it must not be polled afterwards. */
 void p2p_nccl_comm_destroy(p2p_nccl_comm *c);

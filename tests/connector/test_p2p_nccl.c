@@ -567,7 +567,10 @@ static void join_race(const char *self) {
     bool sent = false;
     p2p_nccl_comm *c = NULL;
     void *buf = NULL;
-    if (pid > 0 && p2p_nccl_unique_id(uid, &err) == 0) {
+    bool have_uid = pid > 0 && p2p_nccl_unique_id(uid, &err) == 0;
+    CHECKF(pid <= 0 || have_uid, "join race: ncclGetUniqueId: %s", err.msg);
+    bool answered = false;
+    if (have_uid) {
         char hex[2 * P2P_NCCL_UID_BYTES + 2];
         for (int i = 0; i < P2P_NCCL_UID_BYTES; i++)
             snprintf(hex + 2 * i, 3, "%02x", uid[i]);
@@ -575,8 +578,13 @@ static void join_race(const char *self) {
         bool posted = write(down[1], hex, strlen(hex)) == (ssize_t)strlen(hex) &&
                       read_line(up[0], line, sizeof line) && !strcmp(line, "posted");
         CHECKF(posted, "the joining process did not post its receive");
-        if (posted && cudaMalloc(&buf, JOIN_BYTES) == cudaSuccess &&
-            fill_pattern(buf, JOIN_BYTES) && p2p_nccl_comm_start(uid, 0, 0, 0, &c, &err) == 0) {
+        const char *setup = !posted                                       ? NULL
+                            : cudaMalloc(&buf, JOIN_BYTES) != cudaSuccess ? "cudaMalloc"
+                            : !fill_pattern(buf, JOIN_BYTES)              ? "filling the buffer"
+                            : p2p_nccl_comm_start(uid, 0, 0, 0, &c, &err) != 0 ? err.msg
+                                                                               : "";
+        CHECKF(!setup || !setup[0], "join race: sender set-up failed: %s", setup);
+        if (setup && !setup[0]) {
             int rc = 0;
             double end = pd_now() + 60;
             while ((rc = p2p_nccl_comm_poll(c, &err)) == 0 && pd_now() < end)
@@ -589,16 +597,27 @@ static void join_race(const char *self) {
             }
             CHECKF(sent, "join race: the send failed: %s", rc < 0 ? err.msg : "timed out");
             p2p_nccl_op_free(op);
+            answered = read_line(up[0], line, sizeof line);
+            CHECKF(answered && !strncmp(line, "right", 5), "join race: receiver says '%s'",
+                   answered ? line : "(nothing)");
+            /* "right 1 ok": the receive really was posted before the join
+             * was done; otherwise this test proves nothing about the race. */
+            CHECKF(!answered || !strncmp(line, "right 1 ", 8),
+                   "join race: the receiver was not still joining when it posted: '%s'", line);
+            if (answered) printf("join race: receiver answered '%s'\n", line);
         }
     }
-    bool answered = pid > 0 && read_line(up[0], line, sizeof line);
-    CHECKF(answered && !strncmp(line, "right", 5), "join race: receiver says '%s'",
-           answered ? line : "(nothing)");
-    if (answered) printf("join race: receiver posted while joining (1 = yes): %s\n", line + 6);
     close(down[1]);
     int status = 0;
-    if (pid > 0 && !answered) kill(pid, SIGKILL);
-    if (pid > 0) waitpid(pid, &status, 0);
+    if (pid > 0 && !answered) kill(pid, SIGKILL); /* it may wait for bytes that never come */
+    for (double end = pd_now() + 30; pid > 0 && waitpid(pid, &status, WNOHANG) == 0;) {
+        if (pd_now() > end) { /* a hung teardown must not hang the test */
+            kill(pid, SIGKILL);
+            waitpid(pid, &status, 0);
+            break;
+        }
+        usleep(10000);
+    }
     CHECKF(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
            "joining process: exit status %d", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
     close(up[0]);
