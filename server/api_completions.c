@@ -36,8 +36,12 @@ const char *api_error_type(int status) {
         return "RequestEntityTooLarge";
     case 501:
         return "NotImplementedError";
+    case 502: /* the KV hand-off to or from a peer failed (pdproxy uses the same names) */
+        return "BadGatewayError";
     case 503:
         return "ServiceUnavailableError";
+    case 504: /* a decode instance waited kv timeout_s for KV that never came */
+        return "GatewayTimeoutError";
     default:
         return status >= 500 ? "InternalServerError" : "BadRequestError";
     }

@@ -197,7 +197,11 @@ void api_detokenize(http_request *rq, http_reply *out) {
     }
     for (const cJSON *it = tokens->child; it; it = it->next, i++) {
         double d = cJSON_IsNumber(it) ? it->valuedouble : -1;
-        if (!cJSON_IsNumber(it) || d != (double)(int64_t)d || d < 0 || d >= vocab) {
+        if (!cJSON_IsNumber(it) || d != (double)(int64_t)d) {
+            api_fail(&e, 400, "tokens", "tokens[%d] must be an integer token id", i);
+            goto fail;
+        }
+        if (d < 0 || d >= vocab) {
             api_fail(&e, 400, "tokens", "tokens[%d]: Token id out of vocabulary (0..%d)", i,
                      vocab - 1);
             goto fail;

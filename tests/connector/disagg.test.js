@@ -142,6 +142,7 @@ test('prefill gone: decode fails that request by its deadline with a JSON error 
   const dt = Date.now() - t0;
   assert.equal(r.status, 504, r.text);
   assert.match(r.json.error.message, /timed out/);
+  assert.equal(r.json.error.type, 'GatewayTimeoutError');
   assert.ok(dt >= 1500 && dt < 6000, `failed after ${dt} ms with a 2 s deadline`);
   await stillServes(E.URL_d_fault);
   // GET mode pulls from a prefill that is not there: fails by the deadline too.
@@ -235,6 +236,7 @@ test('kv buffer too small for one request: clear error, nothing leaks, next requ
   // param tells a proxy that the decode side could not take the KV (docs/protocol.md)
   assert.equal(pre.status, 502, pre.text);
   assert.equal(pre.json.error.param, 'kv_transfer_params', pre.text);
+  assert.equal(pre.json.error.type, 'BadGatewayError');
   const m = await metrics(E.URL_d_small);
   assert.equal(m.sum('pdserve:kv_buffered_bytes'), 0);
   await stillServes(E.URL_p_fault);

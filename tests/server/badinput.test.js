@@ -139,6 +139,9 @@ test('broken HTTP on raw sockets does not hurt the server', async () => {
     assert.equal(t.status, 400, b);
     assert.ok(isErrorShape(t.json, 400));
   }
+  const nested = await post(A, '/detokenize', { tokens: [[1]] });
+  assert.equal(nested.status, 400);
+  assert.match(nested.json.error.message, /tokens\[0\] must be an integer/);
   const r = await post(A, '/v1/completions', { prompt: 'still fine', max_tokens: 2 });
   assert.equal(r.status, 200);
   assert.equal((await get(A, '/health')).status, 200);
