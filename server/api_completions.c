@@ -458,6 +458,45 @@ static bool has_nul_escape(const char *body, size_t len) {
     return false;
 }
 
+/* The value of the \uXXXX escape at p (6 bytes there), or -1. */
+static int u_escape(const char *p, size_t left) {
+    if (left < 6 || p[0] != '\\' || p[1] != 'u') return -1;
+    int v = 0;
+    for (int k = 2; k < 6; k++) {
+        char c = p[k];
+        int d = c >= '0' && c <= '9'   ? c - '0'
+                : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                       : -1;
+        if (d < 0) return -1;
+        v = v * 16 + d;
+    }
+    return v;
+}
+
+/* Where a body that failed to parse has a \uXXXX escape naming half of a
+ * UTF-16 surrogate pair without the other half (which cJSON refuses, and
+ * Python's json would take); -1 if none. Walking escape by escape keeps
+ * "\\ud800" (an escaped backslash, then text) out. */
+static long lone_surrogate_at(const char *body, size_t len) {
+    for (size_t i = 0; i + 1 < len; i++) {
+        if (body[i] != '\\') continue;
+        int v = u_escape(body + i, len - i);
+        if (v < 0) {
+            i++; /* the escaped character */
+            continue;
+        }
+        if (v >= 0xDC00 && v <= 0xDFFF) return (long)i;
+        if (v >= 0xD800 && v <= 0xDBFF) {
+            int low = i + 6 < len ? u_escape(body + i + 6, len - i - 6) : -1;
+            if (low < 0xDC00 || low > 0xDFFF) return (long)i;
+            i += 6;
+        }
+        i += 5;
+    }
+    return -1;
+}
+
 int completion_request_parse(const char *body, size_t len, const api_limits *lim,
                              completion_request *req, api_error *e) {
     memset(req, 0, sizeof *req);
@@ -468,6 +507,12 @@ int completion_request_parse(const char *body, size_t len, const api_limits *lim
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!root) {
+        long lone = lone_surrogate_at(body, len);
+        if (lone >= 0)
+            return api_fail(e, 400, NULL,
+                            "the request body is not valid JSON: the escape %.6s at byte %ld is "
+                            "half of a UTF-16 surrogate pair without its other half",
+                            body + lone, lone);
         size_t at = end && end >= body ? (size_t)(end - body) : 0;
         return api_fail(e, 400, NULL, "the request body is not valid JSON (error near byte %zu)",
                         at);

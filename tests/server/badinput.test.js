@@ -139,6 +139,15 @@ test('broken HTTP on raw sockets does not hurt the server', async () => {
     assert.equal(t.status, 400, b);
     assert.ok(isErrorShape(t.json, 400));
   }
+  // half a UTF-16 surrogate pair is named as such; a whole pair, or an
+  // escaped backslash before "ud800", is fine
+  const lone = await post(A, '/v1/completions', '{"prompt":"a\\ud800b","max_tokens":1}', { raw: true });
+  assert.equal(lone.status, 400, lone.text);
+  assert.match(lone.json.error.message, /\\ud800 at byte 12 is half of a UTF-16 surrogate pair/);
+  for (const ok of ['{"prompt":"a\\ud83d\\ude00b","max_tokens":1}', '{"prompt":"a\\\\ud800b","max_tokens":1}']) {
+    const r = await post(A, '/v1/completions', ok, { raw: true });
+    assert.equal(r.status, 200, `${ok}: ${r.text}`);
+  }
   const nested = await post(A, '/detokenize', { tokens: [[1]] });
   assert.equal(nested.status, 400);
   assert.match(nested.json.error.message, /tokens\[0\] must be an integer/);
