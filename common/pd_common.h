@@ -45,6 +45,11 @@ int pd_dir_exists(const char *path);
 /* mkdir -p */
 int pd_mkdirs(const char *path, pd_err *err);
 
+/* How many of the n bytes at p are JSON whitespace (space, tab, CR, LF)
+ * before anything else: after cJSON stops at the end of the first value,
+ * anything past that run is data trailing the value. */
+size_t pd_json_space(const char *p, size_t n);
+
 /* Monotonic clock in seconds. */
 double pd_now(void);
 

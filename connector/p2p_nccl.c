@@ -147,6 +147,18 @@ static void comm_break(p2p_nccl_comm *c, p2p_nccl_op *failed, const char *why) {
         if (!op->posted) op->posted = true, op_fail(op, c->broken_why);
 }
 
+/* op's NCCL call has completed: its event, recorded after it on the
+ * stream, tells when the transfer is done. false: the queue stopped. */
+static bool mark_launched(p2p_nccl_comm *c, p2p_nccl_op *op) {
+    cudaError_t crc = cudaEventRecord(op->ev, c->stream);
+    if (crc != cudaSuccess) {
+        comm_break(c, op, cudaGetErrorString(crc));
+        return false;
+    }
+    op->launched = true;
+    return true;
+}
+
 /* Launches posted transfers in order, one NCCL call in progress at a time. */
 static void comm_pump(p2p_nccl_comm *c) {
     pd_err err;
@@ -172,12 +184,7 @@ static void comm_pump(p2p_nccl_comm *c) {
             comm_break(c, op, err.msg);
             return;
         }
-        cudaError_t crc = cudaEventRecord(op->ev, c->stream);
-        if (crc != cudaSuccess) {
-            comm_break(c, op, cudaGetErrorString(crc));
-            return;
-        }
-        op->launched = true;
+        if (!mark_launched(c, op)) return;
     }
     for (p2p_nccl_op *op = c->ops; op; op = op->next) {
         if (op->posted) continue;
@@ -204,12 +211,7 @@ static void comm_pump(p2p_nccl_comm *c) {
             comm_break(c, op, err.msg);
             return;
         }
-        cudaError_t crc = cudaEventRecord(op->ev, c->stream);
-        if (crc != cudaSuccess) {
-            comm_break(c, op, cudaGetErrorString(crc));
-            return;
-        }
-        op->launched = true;
+        if (!mark_launched(c, op)) return;
     }
 }
 

@@ -414,12 +414,6 @@ static px_req *req_new(front_ctx *fx, struct MHD_Connection *conn, const char *u
     return r;
 }
 
-static bool only_space(const char *p, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (p[i] != ' ' && p[i] != '\t' && p[i] != '\n' && p[i] != '\r') return false;
-    return true;
-}
-
 void flow_generate(front_ctx *fx, struct MHD_Connection *conn, const char *url, const char *body,
                    size_t len, front_reply *out) {
     px_req *r = req_new(fx, conn, url);
@@ -427,10 +421,11 @@ void flow_generate(front_ctx *fx, struct MHD_Connection *conn, const char *url, 
     pxm_begin(fx->pm);
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, false);
+    size_t after_value = root ? (size_t)(body + len - end) : 0; /* bytes past the JSON value */
     char *params = NULL;
     if (!root || !cJSON_IsObject(root)) {
         reply_error(r, out, 400, "the request body is not a JSON object");
-    } else if (!only_space(end, (size_t)(body + len - end))) {
+    } else if (pd_json_space(end, after_value) < after_value) {
         /* As the instances do: refused here, before P computes (and ships)
          * KV that D would then refuse to take. */
         reply_error(r, out, 400, "the request body has data after its JSON object");

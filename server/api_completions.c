@@ -445,19 +445,6 @@ static int parse_fields(const cJSON *root, const api_limits *lim, completion_req
     return 0;
 }
 
-/* Whether a JSON text escapes a NUL character (\u0000) in some string:
- * cJSON's strings end at the first NUL, so the rest would vanish quietly. */
-static bool has_nul_escape(const char *body, size_t len) {
-    for (size_t i = 0; i + 6 <= len; i++) {
-        if (memcmp(body + i, "\\u0000", 6) != 0) continue;
-        size_t n = 0; /* backslashes in a row ending here: odd means an escape */
-        while (n <= i && body[i - n] == '\\')
-            n++;
-        if (n % 2 == 1) return true;
-    }
-    return false;
-}
-
 /* The value of the \uXXXX escape at p (6 bytes there), or -1. */
 static int u_escape(const char *p, size_t left) {
     if (left < 6 || p[0] != '\\' || p[1] != 'u') return -1;
@@ -474,57 +461,62 @@ static int u_escape(const char *p, size_t left) {
     return v;
 }
 
-/* Where a body that failed to parse has a \uXXXX escape naming half of a
- * UTF-16 surrogate pair without the other half (which cJSON refuses, and
- * Python's json would take); -1 if none. Walking escape by escape keeps
- * "\\ud800" (an escaped backslash, then text) out. */
-static long lone_surrogate_at(const char *body, size_t len) {
-    for (size_t i = 0; i + 1 < len; i++) {
+/* Walks a JSON text's escapes, one by one (so "\\u0000", an escaped
+ * backslash and then text, is none), for the byte offsets of the first
+ * escaped NUL character (cJSON's strings end there, so the rest would
+ * vanish quietly) and of the first half of a UTF-16 surrogate pair
+ * without its other half (cJSON refuses it; Python's json takes it); -1
+ * where there is none. */
+static void find_odd_escapes(const char *body, size_t len, long *nul_at, long *lone_at) {
+    *nul_at = *lone_at = -1;
+    for (size_t i = 0; i + 1 < len && (*nul_at < 0 || *lone_at < 0); i++) {
         if (body[i] != '\\') continue;
         int v = u_escape(body + i, len - i);
         if (v < 0) {
             i++; /* the escaped character */
             continue;
         }
-        if (v >= 0xDC00 && v <= 0xDFFF) return (long)i;
+        if (v == 0 && *nul_at < 0) *nul_at = (long)i;
+        if (v >= 0xDC00 && v <= 0xDFFF && *lone_at < 0) *lone_at = (long)i;
         if (v >= 0xD800 && v <= 0xDBFF) {
             int low = i + 6 < len ? u_escape(body + i + 6, len - i - 6) : -1;
-            if (low < 0xDC00 || low > 0xDFFF) return (long)i;
-            i += 6;
+            if (low >= 0xDC00 && low <= 0xDFFF)
+                i += 6;
+            else if (*lone_at < 0)
+                *lone_at = (long)i;
         }
         i += 5;
     }
-    return -1;
 }
 
 int completion_request_parse(const char *body, size_t len, const api_limits *lim,
                              completion_request *req, api_error *e) {
     memset(req, 0, sizeof *req);
-    if (has_nul_escape(body, len))
+    long nul_at, lone_at;
+    find_odd_escapes(body, len, &nul_at, &lone_at);
+    if (nul_at >= 0)
         return api_fail(e, 400, NULL,
                         "the request has a NUL character (\\u0000) in a string, which pdserve "
                         "does not take");
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
     if (!root) {
-        long lone = lone_surrogate_at(body, len);
-        if (lone >= 0)
+        if (lone_at >= 0)
             return api_fail(e, 400, NULL,
                             "the request body is not valid JSON: the escape %.6s at byte %ld is "
                             "half of a UTF-16 surrogate pair without its other half",
-                            body + lone, lone);
+                            body + lone_at, lone_at);
         size_t at = end && end >= body ? (size_t)(end - body) : 0;
         return api_fail(e, 400, NULL, "the request body is not valid JSON (error near byte %zu)",
                         at);
     }
     /* cJSON stops at the end of the first value; anything but whitespace after it is an error. */
-    for (const char *p = end; p && p < body + len; p++) {
-        if (*p != ' ' && *p != '\n' && *p != '\r' && *p != '\t') {
-            cJSON_Delete(root);
-            return api_fail(e, 400, NULL,
-                            "the request body is not valid JSON (trailing data at byte %zu)",
-                            (size_t)(p - body));
-        }
+    size_t value_end = (size_t)(end - body);
+    size_t trail = value_end + pd_json_space(end, len - value_end);
+    if (trail < len) {
+        cJSON_Delete(root);
+        return api_fail(e, 400, NULL,
+                        "the request body is not valid JSON (trailing data at byte %zu)", trail);
     }
     int rc = parse_fields(root, lim, req, e);
     cJSON_Delete(root);

@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "server/cli.h"
 #include "server/device_options.h"
@@ -175,10 +174,10 @@ int serve_options_parse(int argc, char **argv, serve_options *o, pd_err *err) {
     if (o->served_model_name && n_names == 0) names[n_names++] = o->served_model_name;
     for (int i = 0; i < n_names; i++) {
         if (!names[i][0]) return pd_fail(err, "--served-model-name: empty name");
-        char probe[4096];
-        struct stat st;
-        snprintf(probe, sizeof probe, "%s/config.json", names[i]);
-        if (!o->model_arg && stat(probe, &st) == 0)
+        char *config = o->model_arg ? NULL : pd_path_join(names[i], "config.json");
+        const bool is_model = config && pd_file_exists(config);
+        free(config);
+        if (is_model)
             /* "serve --served-model-name x DIR": the names took DIR too, and
              * the built-in model would be served under them. */
             return pd_fail(err,
