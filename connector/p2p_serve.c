@@ -111,14 +111,6 @@ void p2p_serve_comm_reset(p2p_engine *e, const char *identity, const char *why) 
             p2p_op_finish(e, op, false, "%s", why);
 }
 
-static bool comm_ready(p2p_engine *e, p2p_inpeer *ip) {
-    pd_err err;
-    if (ip->comm && !ip->comm_ready && p2p_nccl_comm_poll(ip->comm, &err) == 1)
-        ip->comm_ready = true;
-    (void)e;
-    return ip->comm_ready;
-}
-
 static void on_hello(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len) {
     p2p_hello m;
     pd_err err;
@@ -337,10 +329,12 @@ static void on_get(p2p_engine *e, p2p_inpeer *ip, const void *data, size_t len) 
     r.has_meta = true;
     r.meta = op->meta;
     bool nccl = e->cfg.transport == P2P_NCCL && op->meta.nbytes > 0;
-    if (op->meta.nbytes > m.max_nbytes || (nccl && !comm_ready(e, ip))) {
-        /* The asker reserves exactly nbytes and asks again (also while our
-         * communicator is not up). With none at all (we tore ours down),
-         * its side is stale too: new_comm asks it for a NEW. */
+    if (op->meta.nbytes > m.max_nbytes || (nccl && !ip->comm)) {
+        /* The asker reserves exactly nbytes and asks again. With no
+         * communicator at all (we tore ours down), its side is stale too:
+         * new_comm asks it for a NEW. One still joining is fine: the send
+         * waits in its queue for the join, and the asker's receive in its
+         * own (a RETRY here cost the first GET of a pair up to 0.1 s). */
         r.ret = P2P_RET_RETRY;
         r.new_comm = nccl && !ip->comm;
         snprintf(r.error, sizeof r.error, "%s", r.new_comm ? "no NCCL communicator" : "no room");

@@ -299,9 +299,9 @@ static int make_plan(planned_tensor *p) {
 
 /* One line from fd, waiting at most 120 s in all (a hung peer process
  * must not hang the test). */
-static bool read_line(int fd, char *buf, size_t cap) {
+static bool read_line_within(int fd, char *buf, size_t cap, double seconds) {
     size_t n = 0;
-    double end = pd_now() + 120;
+    double end = pd_now() + seconds;
     while (n + 1 < cap) {
         struct pollfd pfd = {.fd = fd, .events = POLLIN};
         int left_ms = (int)((end - pd_now()) * 1e3);
@@ -311,6 +311,10 @@ static bool read_line(int fd, char *buf, size_t cap) {
     }
     buf[n] = 0;
     return n > 0;
+}
+
+static bool read_line(int fd, char *buf, size_t cap) {
+    return read_line_within(fd, buf, cap, 120);
 }
 
 /* The child: a consumer engine on GPU 0; tells the parent its address,
@@ -625,6 +629,82 @@ static void join_race(const char *self) {
     cudaFree(buf);
 }
 
+/* A peer that never joins (its process died before its side started):
+ * the receive queued behind the join must neither start nor hang, and
+ * tearing the communicator down at the engine's join deadline must come
+ * back at once and fail the queued receive. The child does it all alone:
+ * it makes the id, so the bootstrap root waiting for rank 0 is its own. */
+static int never_child_main(int wfd) {
+    pd_err err;
+    uint8_t uid[P2P_NCCL_UID_BYTES];
+    void *buf = NULL;
+    p2p_nccl_comm *c = NULL;
+    p2p_nccl_op *op = NULL;
+    const char *why = "ok";
+    int still = 0, rc = 0;
+    double destroy_s = -1;
+    if (p2p_nccl_use_device(0, &err) != 0 || cudaMalloc(&buf, 4096) != cudaSuccess) {
+        why = "no device buffer";
+    } else if (p2p_nccl_unique_id(uid, &err) != 0 ||
+               p2p_nccl_comm_start(uid, 1, 0, 0, &c, &err) != 0 ||
+               p2p_nccl_recv(c, buf, 4096, &op, &err) != 0) {
+        why = err.msg;
+    } else {
+        /* 1.5 s of polling, as the engine's I/O thread would: both stay "in progress". */
+        for (double end = pd_now() + 1.5; pd_now() < end; usleep(1000)) {
+            if (p2p_nccl_comm_poll(c, &err) != 0 || (rc = p2p_nccl_op_poll(op, &err)) != 0) break;
+            still++;
+        }
+        if (p2p_nccl_comm_poll(c, &err) != 0 || rc != 0)
+            why = "the join or the receive ended alone";
+        double t0 = pd_now();
+        p2p_nccl_comm_destroy(c);
+        c = NULL;
+        destroy_s = pd_now() - t0;
+        rc = p2p_nccl_op_poll(op, &err);
+        if (!strcmp(why, "ok") && (rc != -1 || !strstr(err.msg, "destroyed")))
+            why = rc == -1 ? err.msg : "the queued receive did not fail";
+    }
+    char line[sizeof(pd_err) + 64];
+    int n = snprintf(line, sizeof line, "%s %.3f %d %s\n", strcmp(why, "ok") ? "bad" : "done",
+                     destroy_s, still, why);
+    bool told = write(wfd, line, (size_t)n) == n;
+    p2p_nccl_op_free(op);
+    p2p_nccl_comm_destroy(c);
+    cudaFree(buf);
+    return told && !strcmp(why, "ok") ? 0 : 1;
+}
+
+static void join_never(const char *self) {
+    int down, up;
+    pid_t pid = spawn_self(self, "P2P_NCCL_NEVER_FDS", "pdserve-test-never", &down, &up);
+    close(down);
+    char line[sizeof(pd_err) + 64];
+    /* Set-up plus 1.5 s of polling; a teardown that hangs is the failure to catch. */
+    bool answered = pid > 0 && read_line_within(up, line, sizeof line, 45);
+    double destroy_s = -1;
+    if (answered) sscanf(line, "%*s %lf", &destroy_s);
+    CHECKF(answered && !strncmp(line, "done ", 5),
+           "join never completes: the joining process says '%s'",
+           answered ? line : "nothing within 45 s (hung?)");
+    CHECKF(!answered || (destroy_s >= 0 && destroy_s < 5),
+           "join never completes: tearing the communicator down took %.2f s", destroy_s);
+    if (answered) printf("join never completes: '%s'\n", line);
+    int status = 0;
+    if (pid > 0 && !answered) kill(pid, SIGKILL);
+    for (double end = pd_now() + 30; pid > 0 && waitpid(pid, &status, WNOHANG) == 0;) {
+        if (pd_now() > end) { /* exit must not hang on the root thread either */
+            kill(pid, SIGKILL);
+            waitpid(pid, &status, 0);
+            break;
+        }
+        usleep(10000);
+    }
+    CHECKF(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+           "join never completes: exit status %d", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    close(up);
+}
+
 int main(void) {
     int n = 0;
     if (getenv("P2P_TEST_DEBUG")) pd_log_set_level(PD_LOG_DEBUG);
@@ -634,12 +714,15 @@ int main(void) {
         return consumer_main(rfd, wfd);
     const char *join_fds = getenv("P2P_NCCL_JOIN_FDS");
     if (join_fds && sscanf(join_fds, "%d,%d", &rfd, &wfd) == 2) return join_child_main(rfd, wfd);
+    const char *never_fds = getenv("P2P_NCCL_NEVER_FDS");
+    if (never_fds && sscanf(never_fds, "%d,%d", &rfd, &wfd) == 2) return never_child_main(wfd);
     if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
         printf("no GPU: skipped\n");
         return 0;
     }
     pool_reuse();
     free_waits_for_writer();
+    join_never("/proc/self/exe");
     if (n < 2) {
         /* Before this process's first NCCL call, which reads them: the
          * consumer child gets another host id, and loopback carries it. */
