@@ -112,49 +112,48 @@ static bool is_json_type(const char *ct) {
            (ct[n] == 0 || ct[n] == ';' || ct[n] == ' ');
 }
 
+/* The door of a completion request: what it must pass before it goes
+ * upstream. false: refused, and out holds the error reply. */
+static bool completion_admitted(front_ctx *fx, struct MHD_Connection *conn, const char *url,
+                                bool post, const pd_httpd_body *bs, front_reply *out) {
+    if (!authorized(fx, conn, url)) {
+        front_reply_error(out, 401, "Unauthorized");
+    } else if (!post) {
+        front_reply_error(out, 405, "Method Not Allowed");
+        if (out->resp) MHD_add_response_header(out->resp, "Allow", "POST");
+    } else if (bs->too_large) {
+        front_reply_error(out, 413, "the request body is larger than %zu bytes",
+                          fx->cfg.max_body_bytes);
+    } else if (!is_json_type(MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Type"))) {
+        front_reply_error(out, 400, "Unsupported Media Type: Only 'application/json' is allowed");
+    } else if (bs->body.oom) {
+        front_reply_error(out, 500, "out of memory");
+    } else if (atomic_load(&fx->draining)) {
+        /* A keep-alive client would otherwise be served on and on until
+         * the drain's end cut it off; closing sends it elsewhere. */
+        front_reply_error(out, 503, "pdproxy is shutting down");
+        if (out->resp) MHD_add_response_header(out->resp, "Connection", "close");
+    } else {
+        return true;
+    }
+    return false;
+}
+
 static void dispatch(front *f, struct MHD_Connection *conn, const char *url, const char *method,
                      pd_httpd_body *bs, front_reply *out) {
     front_ctx *fx = &f->ctx;
     bool get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
-    bool post = !strcmp(method, "POST");
     bool gen = !strcmp(url, "/v1/completions") || !strcmp(url, "/v1/chat/completions");
-    /* A completion request refused here still counts in
-     * pdproxy_requests_total: a dashboard sees a client sending 401s. */
-    if (!authorized(fx, conn, url)) {
-        if (gen) pxm_refused(fx->pm, 401);
-        return front_reply_error(out, 401, "Unauthorized");
-    }
     if (gen) {
-        if (!post) {
-            pxm_refused(fx->pm, 405);
-            front_reply_error(out, 405, "Method Not Allowed");
-            if (out->resp) MHD_add_response_header(out->resp, "Allow", "POST");
-            return;
-        }
-        if (bs->too_large) {
-            pxm_refused(fx->pm, 413);
-            return front_reply_error(out, 413, "the request body is larger than %zu bytes",
-                                     fx->cfg.max_body_bytes);
-        }
-        if (!is_json_type(MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Type"))) {
-            pxm_refused(fx->pm, 400);
-            return front_reply_error(out, 400,
-                                     "Unsupported Media Type: Only 'application/json' is allowed");
-        }
-        if (bs->body.oom) {
-            pxm_refused(fx->pm, 500);
-            return front_reply_error(out, 500, "out of memory");
-        }
-        if (atomic_load(&fx->draining)) {
-            /* A keep-alive client would otherwise be served on and on until
-             * the drain's end cut it off; closing sends it elsewhere. */
-            pxm_refused(fx->pm, 503);
-            front_reply_error(out, 503, "pdproxy is shutting down");
-            if (out->resp) MHD_add_response_header(out->resp, "Connection", "close");
-            return;
-        }
-        return flow_generate(fx, conn, url, bs->body.data ? bs->body.data : "", bs->body.len, out);
+        if (completion_admitted(fx, conn, url, !strcmp(method, "POST"), bs, out))
+            return flow_generate(fx, conn, url, bs->body.data ? bs->body.data : "", bs->body.len,
+                                 out);
+        /* Refused at the door, it still counts in pdproxy_requests_total
+         * (a dashboard sees a client sending 401s), not in the latency
+         * histograms. */
+        return pxm_refused(fx->pm, (int)out->status);
     }
+    if (!authorized(fx, conn, url)) return front_reply_error(out, 401, "Unauthorized");
     static const char *gets[] = {"/v1/models", "/health", "/ping", "/metrics"};
     for (size_t i = 0; i < sizeof gets / sizeof gets[0]; i++) {
         if (strcmp(url, gets[i])) continue;
