@@ -492,6 +492,23 @@ static void one_gpu_pair(const char *self) {
     cudaStreamDestroy(w.stream);
 }
 
+/* Waits for a test child (killed at once with kill_now) and returns its
+ * wait status; one that has not exited within 30 s (a hung teardown, or an
+ * exit stuck on an NCCL thread) is killed so that it cannot hang the test. */
+static int reap_child(pid_t pid, bool kill_now) {
+    int status = 0;
+    if (pid <= 0) return -1;
+    if (kill_now) kill(pid, SIGKILL);
+    for (double end = pd_now() + 30; waitpid(pid, &status, WNOHANG) == 0; usleep(10000)) {
+        if (pd_now() > end) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &status, 0);
+            break;
+        }
+    }
+    return status;
+}
+
 /* The join race, on the data plane itself: the two sides of a join do not
  * finish together, and the sender sends once its side is up, so the
  * receiver's first ncclRecv can come while its own side still says "in
@@ -612,16 +629,8 @@ static void join_race(const char *self) {
         }
     }
     close(down[1]);
-    int status = 0;
-    if (pid > 0 && !answered) kill(pid, SIGKILL); /* it may wait for bytes that never come */
-    for (double end = pd_now() + 30; pid > 0 && waitpid(pid, &status, WNOHANG) == 0;) {
-        if (pd_now() > end) { /* a hung teardown must not hang the test */
-            kill(pid, SIGKILL);
-            waitpid(pid, &status, 0);
-            break;
-        }
-        usleep(10000);
-    }
+    /* Without an answer it may wait for bytes that never come. */
+    int status = reap_child(pid, !answered);
     CHECKF(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
            "joining process: exit status %d", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
     close(up[0]);
@@ -690,16 +699,7 @@ static void join_never(const char *self) {
     CHECKF(!answered || (destroy_s >= 0 && destroy_s < 5),
            "join never completes: tearing the communicator down took %.2f s", destroy_s);
     if (answered) printf("join never completes: '%s'\n", line);
-    int status = 0;
-    if (pid > 0 && !answered) kill(pid, SIGKILL);
-    for (double end = pd_now() + 30; pid > 0 && waitpid(pid, &status, WNOHANG) == 0;) {
-        if (pd_now() > end) { /* exit must not hang on the root thread either */
-            kill(pid, SIGKILL);
-            waitpid(pid, &status, 0);
-            break;
-        }
-        usleep(10000);
-    }
+    int status = reap_child(pid, !answered);
     CHECKF(pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0,
            "join never completes: exit status %d", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
     close(up);
