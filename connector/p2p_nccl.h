@@ -33,7 +33,8 @@ int p2p_nccl_comm_start(const uint8_t uid[P2P_NCCL_UID_BYTES], int rank, int dev
 /* The join: 1 = done, 0 = still joining, -1 = failed (err). Transfers
  * may be posted before it is done; they start, in order, once it is. */
 int p2p_nccl_comm_poll(p2p_nccl_comm *c, pd_err *err);
-/* Aborts (never waits on a peer) and frees. Ops on it must not be polled afterwards. */
+/* Aborts (never waits on a peer) and frees. Transfers still on it fail
+ * ("NCCL communicator destroyed"); they may still be polled, and must be freed. */
 void p2p_nccl_comm_destroy(p2p_nccl_comm *c);
 /* Posts a send/recv of nbytes to/from the other rank on the comm's stream.
  * A send with ready_event (NULL: none) starts on the GPU only once the work

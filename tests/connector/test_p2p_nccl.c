@@ -99,28 +99,38 @@ static p2p_engine *mk(int device, double budget, double timeout) {
     return mk_with(device, budget, timeout, NULL);
 }
 
+/* Device memory d (n > 0 bytes) gets id's pattern. */
+static bool fill_device(const char *id, void *d, size_t n) {
+    uint8_t *h = malloc(n);
+    if (!h) return false;
+    fill(id, h, n);
+    bool ok = cudaMemcpy(d, h, n, cudaMemcpyHostToDevice) == cudaSuccess;
+    free(h);
+    return ok;
+}
+
+/* Whether device memory d (n > 0 bytes) holds id's pattern. */
+static bool dev_holds(const void *d, const char *id, size_t n) {
+    uint8_t *got = malloc(n), *want = malloc(n);
+    bool ok = got && want && cudaMemcpy(got, d, n, cudaMemcpyDeviceToHost) == cudaSuccess;
+    if (ok) fill(id, want, n), ok = !memcmp(got, want, n);
+    free(got);
+    free(want);
+    return ok;
+}
+
 /* A device buffer on e's GPU holding id's pattern. */
 static void *dev_data(p2p_engine *e, const char *id, size_t n) {
     pd_err err;
     void *d = p2p_buffer_alloc(e, n, &err);
-    uint8_t *h = malloc(n ? n : 1);
-    fill(id, h, n);
-    if (d && n) cudaMemcpy(d, h, n, cudaMemcpyHostToDevice);
-    free(h);
+    if (d && n) fill_device(id, d, n);
     return d;
 }
 
 static bool holds(const p2p_tensor *t, const char *id, size_t n) {
     if (!t || t->nbytes != n || strcmp(t->id, id) || (n && (!t->data || !t->on_device)))
         return false;
-    if (n == 0) return true;
-    uint8_t *got = malloc(n), *want = malloc(n);
-    fill(id, want, n);
-    bool ok =
-        cudaMemcpy(got, t->data, n, cudaMemcpyDeviceToHost) == cudaSuccess && !memcmp(got, want, n);
-    free(got);
-    free(want);
-    return ok;
+    return n == 0 || dev_holds(t->data, id, n);
 }
 
 /* Device buffers come from the engine's pool and go back to it: sizes
@@ -516,6 +526,7 @@ static int reap_child(pid_t pid, bool kill_now) {
  * long before the parent has even begun; the receive must wait for the
  * join and then get the bytes (it used to tear the communicator down). */
 #define JOIN_BYTES (4 * MB + 5)
+#define JOIN_ID "join-race"
 
 static int join_child_main(int rfd, int wfd) {
     char hex[2 * P2P_NCCL_UID_BYTES + 8];
@@ -551,15 +562,8 @@ static int join_child_main(int rfd, int wfd) {
             if (rc == 0) why = "nothing arrived within 60 s";
         }
     }
-    bool right = false;
-    if (rc == 1) {
-        unsigned char *h = malloc(JOIN_BYTES);
-        right = h && cudaMemcpy(h, buf, JOIN_BYTES, cudaMemcpyDeviceToHost) == cudaSuccess;
-        for (size_t i = 0; right && i < JOIN_BYTES; i++)
-            right = h[i] == (unsigned char)(0x5a ^ (i % 251));
-        free(h);
-        if (!right) why = "wrong bytes";
-    }
+    bool right = rc == 1 && dev_holds(buf, JOIN_ID, JOIN_BYTES);
+    if (rc == 1 && !right) why = "wrong bytes";
     char line[sizeof(pd_err) + 64];
     int n = snprintf(line, sizeof line, "%s %d %s\n", right ? "right" : "bad", joining, why);
     if (write(wfd, line, (size_t)n) != n) right = false;
@@ -567,16 +571,6 @@ static int join_child_main(int rfd, int wfd) {
     p2p_nccl_comm_destroy(c);
     cudaFree(buf);
     return right ? 0 : 1;
-}
-
-static bool fill_pattern(void *d, size_t n) {
-    unsigned char *h = malloc(n);
-    if (!h) return false;
-    for (size_t i = 0; i < n; i++)
-        h[i] = (unsigned char)(0x5a ^ (i % 251));
-    bool ok = cudaMemcpy(d, h, n, cudaMemcpyHostToDevice) == cudaSuccess;
-    free(h);
-    return ok;
 }
 
 static void join_race(const char *self) {
@@ -601,7 +595,7 @@ static void join_race(const char *self) {
         CHECKF(posted, "the joining process did not post its receive");
         const char *setup = !posted                                       ? NULL
                             : cudaMalloc(&buf, JOIN_BYTES) != cudaSuccess ? "cudaMalloc"
-                            : !fill_pattern(buf, JOIN_BYTES)              ? "filling the buffer"
+                            : !fill_device(JOIN_ID, buf, JOIN_BYTES)      ? "filling the buffer"
                             : p2p_nccl_comm_start(uid, 0, 0, 0, &c, &err) != 0 ? err.msg
                                                                                : "";
         CHECKF(!setup || !setup[0], "join race: sender set-up failed: %s", setup);
